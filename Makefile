@@ -1,0 +1,40 @@
+# flowopt: `make demo` runs the main job end to end on embedded defaults; `make test` runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+# torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test ui bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+
+demo: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/flowopt demo
+
+test: install
+	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \
+	  $(BIN)/dagster definitions validate -w workspace.yaml; status=$$?; rm -rf $$DAGSTER_HOME; exit $$status
+	$(BIN)/pytest -q
+
+ui: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/dagster-webserver -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: install
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf .lake .landing .dagster_home .tmp_dagster_home_* reports/*.json

@@ -1,0 +1,78 @@
+"""The ``flowopt`` command: ``flowopt demo``, ``flowopt ingest PATH...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from flow_assets.local import execute_requests, local_instance, tick_sensor
+from flow_assets.logs.reader import FORMATS
+from flow_assets.summary import batch_summary
+from resources.lake import TrajectoryLake
+from sensors.landing import LandedFile, batch_key, sha256_file
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    from flow_assets.definitions import build_definitions
+
+    landing, lake_root = Path(args.landing), Path(args.lake)
+    instance = local_instance(args.home)
+    keys_by_file: dict[str, str] = {}
+    for name in args.paths:
+        src = Path(name)
+        if not src.is_file():
+            print(f"flowopt ingest: {src}: no such file", file=sys.stderr)
+            return 2
+        source = args.source or src.resolve().parent.name
+        dest = landing / source / src.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.copyfile(src, tmp)
+        tmp.rename(dest)  # the landing convention: never expose a half-written file
+        rel = dest.relative_to(landing).as_posix()
+        stat = dest.stat()
+        keys_by_file[str(src)] = batch_key(LandedFile(dest, rel, source, stat.st_size, stat.st_mtime_ns), sha256_file(dest))
+    formats = {f"{args.source or Path(p).resolve().parent.name}/{Path(p).name}": args.format for p in args.paths} if args.format != "auto" else {}
+    defs = build_definitions(str(lake_root), str(landing), formats)
+    tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
+    summary = {r["batch"]: r for r in batch_summary(TrajectoryLake(root=str(lake_root))).to_dicts()}
+    files = []
+    for path, key in keys_by_file.items():
+        row = {"file": path, "partition_key": key, **{k: v for k, v in summary.get(key, {}).items() if k not in ("batch", "file")}}
+        if key in tick.failed:
+            row["error"] = tick.failed[key]
+        files.append(row)
+    print(json.dumps({"dagster_home": str(instance.root_directory), "files": files}, indent=2))
+    return 1 if tick.failed else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from flow_assets.demo import run_demo
+
+    run_demo()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``flowopt`` console script; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="flowopt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the main job end to end on the real logs (local instance)")
+    demo.set_defaults(fn=_demo)
+    ingest = sub.add_parser("ingest", help="land log files, register their partitions and materialise them")
+    ingest.add_argument("paths", nargs="+", help="log files to ingest")
+    ingest.add_argument("--source", default=None, help="source name (default: the file's folder name)")
+    ingest.add_argument("--format", default="auto", choices=["auto", *sorted(FORMATS)], help="parser (default: detect)")
+    ingest.add_argument("--landing", default=".landing", help="landing directory (default .landing)")
+    ingest.add_argument("--lake", default=".lake", help="lake directory (default .lake)")
+    ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
+    ingest.set_defaults(fn=_ingest)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

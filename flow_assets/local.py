@@ -1,0 +1,98 @@
+"""Running flowopt on a local Dagster instance without a daemon: one sensor tick, then its runs.
+
+This is what the daemon does with a sensor's result, done in-process so that ``flowopt ingest``,
+``flowopt demo`` and the tests need no server: the runs, materialisations and partitions land in
+the instance under ``DAGSTER_HOME`` and are visible in the UI afterwards (``make ui``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dagster import (
+    DagsterInstance,
+    Definitions,
+    RunRequest,
+    SensorResult,
+    build_sensor_context,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
+    """The persistent instance in ``home`` (default: ``$DAGSTER_HOME``, else ``./.dagster_home``).
+
+    The directory is created, and the repository's ``dagster.yaml`` copied into it when it has
+    none, so a fresh clone works without setup. ``DAGSTER_HOME`` is set for this process.
+    """
+    path = Path(home or os.environ.get("DAGSTER_HOME") or ".dagster_home").resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    template = REPO_ROOT / "dagster.yaml"
+    if template.exists() and not (path / "dagster.yaml").exists():
+        shutil.copyfile(template, path / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(path)
+    return DagsterInstance.get()
+
+
+@dataclass
+class TickOutcome:
+    """What one sensor tick asked for and what its runs did."""
+
+    cursor: str | None
+    added_partitions: list[str] = field(default_factory=list)
+    run_requests: list[RunRequest] = field(default_factory=list)
+    succeeded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def tick_sensor(defs: Definitions, instance: DagsterInstance, sensor_name: str, cursor: str | None = None) -> TickOutcome:
+    """Evaluate ``sensor_name`` once and add the dynamic partitions it requests to ``instance``.
+
+    Returns:
+        The new cursor, the partitions added and the run requests (not yet executed).
+    """
+    sensor_def = defs.get_sensor_def(sensor_name)
+    with build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name=sensor_name) as ctx:
+        result = sensor_def(ctx)
+        new_cursor = ctx.cursor
+    outcome = TickOutcome(cursor=new_cursor)
+    if isinstance(result, SensorResult):
+        outcome.cursor = result.cursor if result.cursor is not None else new_cursor
+        for request in result.dynamic_partitions_requests or []:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+            outcome.added_partitions.extend(request.partition_keys)
+        outcome.run_requests = [r for r in (result.run_requests or []) if isinstance(r, RunRequest)]
+    return outcome
+
+
+def execute_requests(
+    defs: Definitions, instance: DagsterInstance, job_name: str, outcome: TickOutcome, run_config: dict | None = None
+) -> TickOutcome:
+    """Execute each run request of ``outcome`` as a run of ``job_name`` on ``instance``.
+
+    A failing run (e.g. an unreadable log file) is recorded in ``outcome.failed`` with its error
+    and does not stop the other partitions.
+    """
+    job = defs.get_job_def(job_name)
+    for request in outcome.run_requests:
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=request.partition_key,
+            run_config=run_config or request.run_config or None,
+            tags=request.tags,
+            raise_on_error=False,
+        )
+        if result.success:
+            outcome.succeeded.append(request.partition_key)
+        else:
+            errors = [
+                e.event_specific_data.error.message.strip()
+                for e in result.all_events
+                if e.is_step_failure and e.event_specific_data and e.event_specific_data.error
+            ]
+            outcome.failed[request.partition_key] = "; ".join(errors) or "run failed"
+    return outcome

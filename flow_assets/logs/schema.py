@@ -1,0 +1,142 @@
+"""The canonical trajectory record: what every log format is parsed into.
+
+One :class:`Trajectory` is one episode of one agent on one task (see ``docs/log-format.md``,
+whose JSON Schema ``trajectory.schema.json`` is generated from these models). Validation is
+strict on types (a string where a number belongs is an error, not a coercion) because a silently
+coerced reward is worse than a quarantined record.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+StepKind = Literal["plan", "tool", "verify", "answer", "message"]
+STEP_KINDS: tuple[str, ...] = ("plan", "tool", "verify", "answer", "message")
+
+
+class Step(BaseModel):
+    """One agent decision inside a trajectory (an LLM turn) and its result.
+
+    ``token_ids`` and ``logprobs`` are the sampled completion tokens of this turn and the
+    behaviour policy's log-probability of each (natural log, same length); they are present only
+    for rollouts of a trainable policy and make the GRPO importance ratio exact.
+
+    Raises:
+        pydantic.ValidationError: on a wrong type, an unknown ``kind``, a non-finite number, or
+            ``token_ids``/``logprobs`` of different lengths.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    index: int = Field(ge=0, description="0-based position of the step in its trajectory")
+    kind: StepKind
+    module: str | None = Field(None, description="agent component that took the step")
+    tool: str | None = Field(None, description="tool name, for kind == 'tool'")
+    input: Any = Field(None, description="tool arguments or prompt (any JSON)")
+    output: Any = Field(None, description="tool result or generated text (any JSON)")
+    status: Literal["ok", "error"] = "ok"
+    confidence: float | None = Field(None, ge=0.0, le=1.0)
+    duration_ms: float | None = Field(None, ge=0.0, description="wall time of the step, ms")
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+
+    @field_validator("confidence", "duration_ms", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, v: Any) -> Any:
+        # strict mode refuses int for float; JSON has one number type, so accept ints (not bools).
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @field_validator("confidence", "duration_ms")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_numbers(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
+        return v
+
+    @model_validator(mode="after")
+    def _tokens_match_logprobs(self) -> Step:
+        if self.logprobs is not None:
+            if any(not math.isfinite(x) for x in self.logprobs):
+                raise ValueError("logprobs must be finite")
+            if self.token_ids is None or len(self.token_ids) != len(self.logprobs):
+                raise ValueError("token_ids and logprobs must have the same length")
+        return self
+
+
+class Outcome(BaseModel):
+    """How the episode ended: ``success`` (verifier / task check) and ``score`` (a scalar reward,
+    usually in [0, 1]). At least one of them must be given; both must be finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    success: bool | None = None
+    score: float | None = None
+
+    @field_validator("score", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @field_validator("score")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("score must be a finite number (got NaN or infinity)")
+        return v
+
+    @model_validator(mode="after")
+    def _something_known(self) -> Outcome:
+        if self.success is None and self.score is None:
+            raise ValueError("outcome needs success or score")
+        return self
+
+
+class Trajectory(BaseModel):
+    """One episode: query, ordered steps, final answer, outcome (flowopt canonical format v1).
+
+    Raises:
+        pydantic.ValidationError: on a missing ``task_id``/``trajectory_id``, a wrong type, steps
+            whose ``index`` is not 0..n-1 in order, or an invalid step/outcome.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    trajectory_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    agent_id: str = Field(min_length=1)
+    adapter_version: str | None = None
+    query: str
+    steps: list[Step]
+    final_answer: str | None = None
+    outcome: Outcome
+    timestamp: str | None = Field(None, description="ISO 8601 start time of the episode")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ordered_steps(self) -> Trajectory:
+        for position, step in enumerate(self.steps):
+            if step.index != position:
+                raise ValueError(f"steps[{position}].index is {step.index}, expected {position}")
+        return self
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of one canonical JSONL line."""
+    schema = Trajectory.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://flowopt.dev/schemas/trajectory.v1.json"
+    return schema

@@ -1,0 +1,185 @@
+"""Trajectory rewards: the logged outcome plus shaped terms plus custom reward functions.
+
+For trajectory ``tau`` with steps ``s_1..s_n`` (DESIGN.md, "rewards"):
+
+    reward(tau) = w_outcome * outcome(tau)
+                + w_tool_success * #{s_i : kind == tool and status == ok}
+                + w_verify * #{s_i : kind == verify}
+                + w_step * n
+                + sum_f custom_f(tau)
+
+``outcome(tau)`` is the logged score when there is one, else 1.0/0.0 from the logged success.
+Every component is returned on its own so that a user can see which term moved a group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from flow_assets.logs.schema import Trajectory
+
+#: A custom reward function: ``fn(trajectory: Trajectory) -> float``. It receives the validated
+#: canonical trajectory (query, steps, final_answer, outcome, metadata) and returns one finite
+#: number, added to the total as its own component. It must be a pure function of its input.
+RewardFn = Callable[[Trajectory], float]
+
+
+class RewardFunctionError(ValueError):
+    """A custom reward function could not be loaded, or returned something that is not a finite
+    number. The message names the function (``module:function``) and the trajectory."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Weights of the reward terms. The defaults are the seed formula of DESIGN.md.
+
+    Attributes:
+        outcome: weight of the logged outcome (score, else success as 1/0).
+        tool_success: added per successful tool call (``kind == "tool"`` and ``status == "ok"``).
+        verify: added per verification step (``kind == "verify"``).
+        step_penalty: added per step (negative: a length penalty).
+        custom: agent type -> ``"module:function"`` paths of custom reward functions. The agent
+            type of a trajectory is its ``agent_id`` up to the first ``":"``; the key ``"*"``
+            applies to every agent.
+    """
+
+    outcome: float = 1.0
+    tool_success: float = 0.1
+    verify: float = 0.05
+    step_penalty: float = -0.01
+    custom: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def outcome_only(cls) -> RewardConfig:
+        """The plain logged outcome, no shaping (GRPO as in DeepSeekMath)."""
+        return cls(tool_success=0.0, verify=0.0, step_penalty=0.0)
+
+
+def agent_type(agent_id: str) -> str:
+    """The agent type used to pick custom reward functions: ``agent_id`` up to its first ``:``."""
+    return agent_id.split(":", 1)[0]
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Import a custom reward function from ``"package.module:function"``.
+
+    Raises:
+        RewardFunctionError: the path is malformed, the module or attribute does not exist, or
+            the object is not callable with one positional argument.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardFunctionError(f"reward function {path!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RewardFunctionError(f"reward function {path!r}: {exc}") from exc
+    if not callable(fn):
+        raise RewardFunctionError(f"reward function {path!r} is not callable")
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError as exc:
+        raise RewardFunctionError(f"reward function {path!r} must take one argument: {exc}") from exc
+    return fn
+
+
+def resolve_custom(config: RewardConfig, agent_id: str) -> list[tuple[str, RewardFn]]:
+    """The custom reward functions that apply to ``agent_id`` (its type's, then ``"*"``'s)."""
+    paths = [*config.custom.get(agent_type(agent_id), ()), *config.custom.get("*", ())]
+    return [(p, load_reward_fn(p)) for p in paths]
+
+
+def custom_rewards(trajectories: Iterable[Trajectory], config: RewardConfig) -> dict[str, float]:
+    """Sum of the custom reward functions that apply to each trajectory.
+
+    Returns:
+        ``trajectory_id -> custom reward`` for the trajectories that have at least one function.
+
+    Raises:
+        RewardFunctionError: a function could not be loaded, raised, or returned a non-finite or
+            non-numeric value (the message names the function and the trajectory).
+    """
+    cache: dict[str, list[tuple[str, RewardFn]]] = {}
+    out: dict[str, float] = {}
+    for trajectory in trajectories:
+        kind = agent_type(trajectory.agent_id)
+        if kind not in cache:
+            cache[kind] = resolve_custom(config, trajectory.agent_id)
+        if not cache[kind]:
+            continue
+        total = 0.0
+        for path, fn in cache[kind]:
+            try:
+                value: Any = fn(trajectory)
+            except Exception as exc:  # a user's function: say which one failed, and on what
+                raise RewardFunctionError(
+                    f"reward function {path!r} raised on trajectory {trajectory.trajectory_id!r}: {exc!r}"
+                ) from exc
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RewardFunctionError(
+                    f"reward function {path!r} returned {value!r} for trajectory "
+                    f"{trajectory.trajectory_id!r}; expected a finite number"
+                )
+            total += float(value)
+        out[trajectory.trajectory_id] = total
+    return out
+
+
+def reward_table(
+    trajectories: pl.DataFrame,
+    steps: pl.DataFrame,
+    config: RewardConfig,
+    custom: Mapping[str, float] | None = None,
+) -> pl.DataFrame:
+    """Rewards of a batch, term by term (formula in the module docstring), vectorised.
+
+    Args:
+        trajectories: one row per trajectory with ``trajectory_id, task_id, agent_id,
+            outcome_success, outcome_score`` (the lake's ``trajectories`` table).
+        steps: one row per step with ``trajectory_id, kind, status`` (the ``steps`` table).
+        custom: ``trajectory_id -> custom reward`` from :func:`custom_rewards`.
+
+    Returns:
+        One row per trajectory, in the input order: ``trajectory_id, task_id, agent_id,
+        r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, reward`` (Float64).
+    """
+    counts = steps.group_by("trajectory_id").agg(
+        n_steps=pl.len(),
+        n_tool_ok=((pl.col("kind") == "tool") & (pl.col("status") == "ok")).sum(),
+        n_verify=(pl.col("kind") == "verify").sum(),
+    )
+    custom_df = pl.DataFrame(
+        {"trajectory_id": list((custom or {}).keys()), "r_custom": list((custom or {}).values())},
+        schema={"trajectory_id": pl.String, "r_custom": pl.Float64},
+    )
+    outcome = (
+        pl.when(pl.col("outcome_score").is_not_null())
+        .then(pl.col("outcome_score"))
+        .otherwise(pl.col("outcome_success").cast(pl.Float64))
+    )
+    table = (
+        trajectories.select("trajectory_id", "task_id", "agent_id", "outcome_success", "outcome_score")
+        .join(counts, on="trajectory_id", how="left", maintain_order="left")
+        .join(custom_df, on="trajectory_id", how="left", maintain_order="left")
+        .with_columns(pl.col("n_steps", "n_tool_ok", "n_verify").fill_null(0))
+        .select(
+            "trajectory_id",
+            "task_id",
+            "agent_id",
+            r_outcome=(config.outcome * outcome).cast(pl.Float64),
+            r_tool_success=(config.tool_success * pl.col("n_tool_ok")).cast(pl.Float64),
+            r_verify=(config.verify * pl.col("n_verify")).cast(pl.Float64),
+            r_step_penalty=(config.step_penalty * pl.col("n_steps")).cast(pl.Float64),
+            r_custom=pl.col("r_custom").fill_null(0.0),
+        )
+    )
+    return table.with_columns(
+        reward=pl.sum_horizontal("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom")
+    )

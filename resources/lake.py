@@ -1,0 +1,170 @@
+"""The trajectory lake: Parquet tables hive-partitioned by log batch, read with DuckDB/polars.
+
+Layout under ``root``::
+
+    <table>/batch=<key>/data.parquet     one file per (table, batch)
+    _batches/<key>/manifest.json         what the batch is: source file, sha256, source, format
+    _batches/<key>/<file name>           an immutable snapshot of the batch's bytes
+
+A partition is replaced atomically: the new file is written beside the old one under a hidden
+temporary name and moved over it with ``os.replace`` (atomic on POSIX), so a reader sees the old
+or the new partition, never half of one, and concurrent runs on other partitions need no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+import polars as pl
+from dagster import ConfigurableResource
+from pydantic import Field
+
+
+@dataclass(frozen=True)
+class BatchManifest:
+    """One log batch. ``sha256`` is of the file's bytes; ``fmt`` is a parser name or ``"auto"``."""
+
+    key: str
+    source: str
+    original_path: str
+    file_name: str
+    sha256: str
+    size_bytes: int
+    fmt: str = "auto"
+
+
+class TrajectoryLake(ConfigurableResource):
+    """Parquet lake of trajectories, steps, rewards and advantages, one partition per log batch.
+
+    Attributes:
+        root: directory of the lake (created on first write). Local path; the same layout works on
+            object storage.
+    """
+
+    root: str = Field(default=".lake", description="Directory of the Parquet lake.")
+
+    # -- tables -------------------------------------------------------------------------------
+    def partition_path(self, table: str, batch: str) -> Path:
+        """Path of one table's file for one batch (it may not exist yet)."""
+        return Path(self.root) / table / f"batch={batch}" / "data.parquet"
+
+    def write_partition(self, table: str, batch: str, frame: pl.DataFrame) -> Path:
+        """Replace ``table``'s partition ``batch`` with ``frame``, atomically.
+
+        The ``batch`` column, if present, is dropped: hive partitioning carries it. Files are
+        written with fixed settings so the same frame always gives the same bytes.
+
+        Returns:
+            The path of the written file.
+        """
+        path = self.partition_path(table, batch)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if "batch" in frame.columns:
+            frame = frame.drop("batch")
+        fd, tmp = tempfile.mkstemp(prefix=".data.", suffix=".parquet.tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            frame.write_parquet(tmp, compression="zstd", statistics=True)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def read_partition(self, table: str, batch: str) -> pl.DataFrame:
+        """One table's rows for one batch (without the ``batch`` column).
+
+        Raises:
+            FileNotFoundError: the partition has not been materialised; the message names it.
+        """
+        path = self.partition_path(table, batch)
+        if not path.exists():
+            raise FileNotFoundError(f"lake table {table!r} has no partition {batch!r} ({path})")
+        return pl.read_parquet(path)
+
+    def batches(self, table: str) -> list[str]:
+        """Keys of the batches materialised for ``table``, sorted."""
+        base = Path(self.root) / table
+        if not base.exists():
+            return []
+        return sorted(
+            p.parent.name.removeprefix("batch=")
+            for p in base.glob("batch=*/data.parquet")
+        )
+
+    def scan(self, table: str) -> pl.LazyFrame:
+        """All batches of ``table`` as one lazy frame with a ``batch`` column (hive partitioning).
+
+        Raises:
+            FileNotFoundError: the table has no partition at all.
+        """
+        pattern = Path(self.root) / table / "batch=*" / "data.parquet"
+        if not self.batches(table):
+            raise FileNotFoundError(f"lake table {table!r} is empty ({pattern})")
+        return pl.scan_parquet(str(pattern), hive_partitioning=True)
+
+    def duckdb(self) -> duckdb.DuckDBPyConnection:
+        """An in-memory DuckDB connection with one view per lake table (``batch`` column
+        included), e.g. ``lake.duckdb().sql("select batch, count(*) from trajectories group by 1")``."""
+        con = duckdb.connect()
+        root = Path(self.root)
+        for table_dir in sorted(root.glob("[!_]*")) if root.exists() else []:
+            if self.batches(table_dir.name):
+                glob = str(table_dir / "batch=*" / "data.parquet").replace("'", "''")
+                con.sql(
+                    f"create view \"{table_dir.name}\" as select * from "
+                    f"read_parquet('{glob}', hive_partitioning = true)"
+                )
+        return con
+
+    # -- batch manifests and snapshots --------------------------------------------------------
+    def _batch_dir(self, key: str) -> Path:
+        return Path(self.root) / "_batches" / key
+
+    def register_batch(self, manifest: BatchManifest, source_file: Path) -> Path:
+        """Snapshot ``source_file`` as batch ``manifest.key`` and write its manifest.
+
+        Idempotent: registering the same key again rewrites identical bytes. The snapshot keeps a
+        batch's bytes after the landing file is rewritten or deleted.
+
+        Returns:
+            The snapshot's path.
+        """
+        batch_dir = self._batch_dir(manifest.key)
+        batch_dir.mkdir(parents=True, exist_ok=True)
+        snapshot = batch_dir / manifest.file_name
+        tmp = batch_dir / f".{manifest.file_name}.tmp"
+        shutil.copyfile(source_file, tmp)
+        os.replace(tmp, snapshot)
+        tmp_manifest = batch_dir / ".manifest.json.tmp"
+        tmp_manifest.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
+        os.replace(tmp_manifest, batch_dir / "manifest.json")
+        return snapshot
+
+    def batch_manifest(self, key: str) -> BatchManifest:
+        """The manifest of batch ``key``.
+
+        Raises:
+            FileNotFoundError: the batch was never registered (the message names the key).
+        """
+        path = self._batch_dir(key) / "manifest.json"
+        if not path.exists():
+            raise FileNotFoundError(f"log batch {key!r} is not registered in the lake ({path})")
+        return BatchManifest(**json.loads(path.read_text()))
+
+    def batch_snapshot(self, key: str) -> Path:
+        """Path of batch ``key``'s immutable copy of its log file."""
+        return self._batch_dir(key) / self.batch_manifest(key).file_name
+
+    def registered_batches(self) -> list[BatchManifest]:
+        """Manifests of every registered batch, sorted by key."""
+        base = Path(self.root) / "_batches"
+        if not base.exists():
+            return []
+        return [self.batch_manifest(p.parent.name) for p in sorted(base.glob("*/manifest.json"))]

@@ -1,0 +1,91 @@
+"""The data plane on a real Dagster instance and the real tau-bench log, through the sensor path."""
+
+import shutil
+
+import polars as pl
+import pytest
+from dagster import AssetKey
+
+from flow_assets.definitions import build_definitions
+from flow_assets.local import execute_requests, tick_sensor
+from flow_assets.summary import batch_summary
+from resources.lake import TrajectoryLake
+from tests.conftest import TAU_BENCH
+
+OUTCOME_ONLY = {"ops": {"rewards": {"config": {"tool_success": 0.0, "verify": 0.0, "step_penalty": 0.0}}}}
+TABLES = ("interaction_logs", "quarantine", "trajectories", "steps", "rewards", "advantages", "step_advantages")
+
+
+@pytest.fixture
+def ingested(tmp_path, dagster_instance):
+    landing, lake_root = tmp_path / "landing", tmp_path / "lake"
+    (landing / "tau-bench").mkdir(parents=True)
+    (landing / "broken").mkdir()
+    shutil.copyfile(TAU_BENCH, landing / "tau-bench" / TAU_BENCH.name)
+    # a truncated JSON document cannot be read at all: only its own partition may fail
+    (landing / "broken" / "cut.json").write_bytes(TAU_BENCH.read_bytes()[:5000])
+    defs = build_definitions(str(lake_root), str(landing))
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), OUTCOME_ONLY)
+    tau_key = next(k for k in tick.added_partitions if k.startswith("tau-bench."))
+    return defs, dagster_instance, TrajectoryLake(root=str(lake_root)), tick, tau_key
+
+
+def test_tau_bench_batch_has_its_known_groups_and_outcomes(ingested):
+    _, _, lake, tick, key = ingested
+    assert key in tick.succeeded
+    traj = lake.read_partition("trajectories", key)
+    assert traj.height == 200
+    assert traj["task_id"].n_unique() == 50
+    assert traj["outcome_success"].sum() == 84
+    adv = lake.read_partition("advantages", key)
+    groups = adv.group_by("group_key").agg(pl.len().alias("n"), pl.col("zero_variance").first())
+    assert groups["n"].to_list() == [4] * 50
+    assert (~groups["zero_variance"]).sum() == 26
+    # every trajectory in a mixed group has a non-zero advantage, and they sum to ~0 per group
+    mixed = adv.filter(~pl.col("zero_variance"))
+    assert mixed.height == 26 * 4 and (mixed["advantage"] != 0).all()
+    assert mixed.group_by("group_key").agg(pl.col("advantage").sum())["advantage"].abs().max() < 1e-9
+    row = batch_summary(lake, [key]).to_dicts()[0]
+    assert (row["trajectories"], row["groups"], row["groups_nonzero_advantage"], row["quarantined"]) == (200, 50, 26, 0)
+    assert row["mean_reward"] == pytest.approx(84 / 200)
+
+
+def test_unreadable_file_fails_only_its_own_partition_and_names_the_file(ingested):
+    _, instance, lake, tick, key = ingested
+    broken = [k for k in tick.added_partitions if k.startswith("broken.")]
+    assert len(broken) == 1 and broken[0] in tick.failed
+    assert "cut.json" in tick.failed[broken[0]]
+    assert key in tick.succeeded
+    assert broken[0] not in lake.batches("trajectories")
+
+
+def test_materialisations_and_checks_are_recorded_in_the_instance(ingested):
+    _, instance, _, _, key = ingested
+    for asset in ("interaction_logs", "trajectories", "rewards", "advantages"):
+        event = instance.get_latest_materialization_event(AssetKey(asset))
+        assert event is not None
+    mat = instance.fetch_materializations(AssetKey("advantages"), limit=10).records
+    assert key in {r.partition_key for r in mat}
+    meta = next(r for r in mat if r.partition_key == key).asset_materialization.metadata
+    assert meta["groups_nonzero_advantage"].value == 26
+    assert meta["zero_variance_share"].value == pytest.approx(24 / 50)
+
+
+def test_rematerialising_a_partition_gives_the_same_bytes(ingested):
+    defs, instance, lake, _, key = ingested
+    before = {t: lake.partition_path(t, key).read_bytes() for t in TABLES}
+    result = defs.get_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key, run_config=OUTCOME_ONLY)
+    assert result.success
+    after = {t: lake.partition_path(t, key).read_bytes() for t in TABLES}
+    assert after == before
+
+
+def test_rematerialising_with_other_config_replaces_exactly_that_partition(ingested):
+    defs, instance, lake, _, key = ingested
+    before = lake.read_partition("rewards", key)
+    result = defs.get_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key)
+    assert result.success
+    after = lake.read_partition("rewards", key)
+    assert after.height == before.height == 200
+    assert not after["r_tool_success"].equals(before["r_tool_success"])  # shaped terms now on
+    assert lake.scan("rewards").collect().height == 200  # replaced, not appended

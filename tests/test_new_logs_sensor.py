@@ -1,0 +1,98 @@
+"""new_logs_sensor: idempotent across ticks and restarts, content-addressed, never reads .tmp."""
+
+import json
+import os
+import shutil
+
+from dagster import SensorResult, build_sensor_context
+
+from flow_assets.definitions import build_definitions
+from flow_assets.partitions import log_batches
+from resources.lake import TrajectoryLake
+from sensors.new_logs import new_logs_sensor
+
+from tests.conftest import SHARED_DATA, TAU_BENCH
+
+FIREACT = sorted((SHARED_DATA / "fireact").glob("*.json"))[0]
+
+
+def _tick(defs, instance, cursor=None) -> SensorResult:
+    with build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name="new_logs_sensor") as ctx:
+        result = new_logs_sensor(ctx)
+    for request in result.dynamic_partitions_requests or []:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result
+
+
+def _setup(tmp_path):
+    landing, lake = tmp_path / "landing", tmp_path / "lake"
+    (landing / "tau-bench").mkdir(parents=True)
+    (landing / "fireact").mkdir()
+    shutil.copyfile(TAU_BENCH, landing / "tau-bench" / TAU_BENCH.name)
+    shutil.copyfile(FIREACT, landing / "fireact" / FIREACT.name)
+    return landing, lake, build_definitions(str(lake), str(landing))
+
+
+def test_first_tick_adds_one_partition_and_one_run_per_file(tmp_path, dagster_instance):
+    landing, lake, defs = _setup(tmp_path)
+    result = _tick(defs, dagster_instance)
+    keys = sorted(r.partition_key for r in result.run_requests)
+    assert len(keys) == 2
+    assert sorted(result.dynamic_partitions_requests[0].partition_keys) == keys
+    assert [r.run_key for r in sorted(result.run_requests, key=lambda r: r.partition_key)] == keys
+    assert sorted(dagster_instance.get_dynamic_partitions(log_batches.name)) == keys
+    # each batch is snapshotted with its manifest, so its bytes survive the landing file
+    manifests = {m.key: m for m in TrajectoryLake(root=str(lake)).registered_batches()}
+    assert sorted(manifests) == keys
+    assert {m.source for m in manifests.values()} == {"tau-bench", "fireact"}
+
+
+def test_second_tick_requests_nothing(tmp_path, dagster_instance):
+    _, _, defs = _setup(tmp_path)
+    first = _tick(defs, dagster_instance)
+    second = _tick(defs, dagster_instance, first.cursor)
+    assert not second.run_requests
+    assert not second.dynamic_partitions_requests
+    assert second.skip_reason is not None
+
+
+def test_restart_with_saved_cursor_or_lost_cursor_requests_nothing(tmp_path, dagster_instance):
+    _, _, defs = _setup(tmp_path)
+    saved = _tick(defs, dagster_instance).cursor
+    # a new process: fresh definitions, the cursor as the daemon stored it
+    restarted = build_definitions(*(str(tmp_path / d) for d in ("lake", "landing")))
+    assert not _tick(restarted, dagster_instance, saved).run_requests
+    # even without a cursor the instance's partitions keep it idempotent
+    assert not _tick(restarted, dagster_instance, None).run_requests
+
+
+def test_rewritten_file_becomes_a_new_batch(tmp_path, dagster_instance):
+    landing, lake, defs = _setup(tmp_path)
+    first = _tick(defs, dagster_instance)
+    target = landing / "tau-bench" / TAU_BENCH.name
+    old_key = next(r.partition_key for r in first.run_requests if r.partition_key.startswith("tau-bench"))
+    data = json.loads(TAU_BENCH.read_bytes())
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data[:10]))
+    os.replace(tmp, target)
+    second = _tick(defs, dagster_instance, first.cursor)
+    assert len(second.run_requests) == 1
+    new_key = second.run_requests[0].partition_key
+    assert new_key != old_key and new_key.startswith("tau-bench.")
+    # the old batch still has its original bytes
+    lake_res = TrajectoryLake(root=str(lake))
+    assert lake_res.batch_snapshot(old_key).read_bytes() == TAU_BENCH.read_bytes()
+    assert len(json.loads(lake_res.batch_snapshot(new_key).read_bytes())) == 10
+
+
+def test_tmp_file_is_never_read_until_renamed(tmp_path, dagster_instance):
+    landing, _, defs = _setup(tmp_path)
+    first = _tick(defs, dagster_instance)
+    partial = landing / "tau-bench" / "more.json.tmp"
+    partial.write_bytes(TAU_BENCH.read_bytes()[:1000])  # half-written: not valid JSON yet
+    (landing / "tau-bench" / ".hidden.json").write_bytes(b"{")
+    assert not _tick(defs, dagster_instance, first.cursor).run_requests
+    partial.write_text(json.dumps(json.loads(TAU_BENCH.read_bytes())[:3]))
+    os.replace(partial, landing / "tau-bench" / "more.json")
+    after = _tick(defs, dagster_instance, first.cursor)
+    assert [r.partition_key.split(".")[1] for r in after.run_requests] == ["more"]
