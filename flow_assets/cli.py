@@ -56,6 +56,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schema(args: argparse.Namespace) -> int:
+    from flow_assets.logs.schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2, ensure_ascii=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowopt`` console script; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="flowopt", description=__doc__)
@@ -70,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--lake", default=".lake", help="lake directory (default .lake)")
     ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
     ingest.set_defaults(fn=_ingest)
+    schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
+    schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)
     return args.fn(args)
 

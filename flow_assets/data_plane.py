@@ -5,7 +5,6 @@ Each asset reads its input partition from the lake, calls the pure functions of
 a person wants in the UI.
 """
 
-from __future__ import annotations
 
 import polars as pl
 from dagster import (

@@ -38,6 +38,13 @@ def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
     return DagsterInstance.get()
 
 
+def _root_message(error) -> str:
+    # Dagster wraps the asset's exception; the user needs the innermost message (it names the file)
+    while error.cause is not None:
+        error = error.cause
+    return error.message.strip()
+
+
 @dataclass
 class TickOutcome:
     """What one sensor tick asked for and what its runs did."""
@@ -55,8 +62,8 @@ def tick_sensor(defs: Definitions, instance: DagsterInstance, sensor_name: str, 
     Returns:
         The new cursor, the partitions added and the run requests (not yet executed).
     """
-    sensor_def = defs.get_sensor_def(sensor_name)
-    with build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name=sensor_name) as ctx:
+    sensor_def = defs.resolve_sensor_def(sensor_name)
+    with build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources, sensor_name=sensor_name) as ctx:
         result = sensor_def(ctx)
         new_cursor = ctx.cursor
     outcome = TickOutcome(cursor=new_cursor)
@@ -70,19 +77,27 @@ def tick_sensor(defs: Definitions, instance: DagsterInstance, sensor_name: str, 
 
 
 def execute_requests(
-    defs: Definitions, instance: DagsterInstance, job_name: str, outcome: TickOutcome, run_config: dict | None = None
+    defs: Definitions,
+    instance: DagsterInstance,
+    job_name: str,
+    outcome: TickOutcome,
+    run_config: dict | None = None,
+    log_level: str = "WARNING",
 ) -> TickOutcome:
     """Execute each run request of ``outcome`` as a run of ``job_name`` on ``instance``.
 
     A failing run (e.g. an unreadable log file) is recorded in ``outcome.failed`` with its error
-    and does not stop the other partitions.
+    and does not stop the other partitions. ``log_level`` applies to the console only; the full
+    event log is stored in the instance either way.
     """
-    job = defs.get_job_def(job_name)
+    job = defs.resolve_job_def(job_name)
     for request in outcome.run_requests:
+        config = dict(run_config or request.run_config or {})
+        config.setdefault("loggers", {"console": {"config": {"log_level": log_level}}})
         result = job.execute_in_process(
             instance=instance,
             partition_key=request.partition_key,
-            run_config=run_config or request.run_config or None,
+            run_config=config,
             tags=request.tags,
             raise_on_error=False,
         )
@@ -90,7 +105,7 @@ def execute_requests(
             outcome.succeeded.append(request.partition_key)
         else:
             errors = [
-                e.event_specific_data.error.message.strip()
+                _root_message(e.event_specific_data.error)
                 for e in result.all_events
                 if e.is_step_failure and e.event_specific_data and e.event_specific_data.error
             ]

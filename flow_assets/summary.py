@@ -9,15 +9,17 @@ from resources.lake import TrajectoryLake
 
 _PER_BATCH = """
 with t as (select batch, count(*) as trajectories, count(distinct task_id) as tasks,
-                  sum(n_steps) as steps from trajectories group by batch),
+                  sum(n_steps)::bigint as steps from trajectories group by batch),
      r as (select batch, avg(reward) as mean_reward, avg(r_outcome) as mean_outcome
            from rewards group by batch),
      g as (select batch, count(*) as groups,
-                  count(*) filter (where not zero_variance) as groups_nonzero_advantage
-           from (select batch, group_key, bool_and(zero_variance) as zero_variance
+                  count(*) filter (where not zero_variance) as groups_nonzero_advantage,
+                  count(*) filter (where mixed) as groups_mixed_outcome
+           from (select batch, group_key, bool_and(zero_variance) as zero_variance,
+                        max(r_outcome) > min(r_outcome) as mixed
                  from advantages group by batch, group_key) group by batch),
      q as (select batch, count(*) as quarantined from quarantine group by batch)
-select t.batch, t.trajectories, g.groups, g.groups_nonzero_advantage, t.steps,
+select t.batch, t.trajectories, g.groups, g.groups_nonzero_advantage, g.groups_mixed_outcome, t.steps,
        coalesce(q.quarantined, 0) as quarantined, r.mean_reward, r.mean_outcome
 from t left join r using (batch) left join g using (batch) left join q using (batch)
 """
@@ -25,8 +27,12 @@ from t left join r using (batch) left join g using (batch) left join q using (ba
 
 def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.DataFrame:
     """One row per materialised batch: ``batch, source, file, trajectories, groups,
-    groups_nonzero_advantage, steps, quarantined, mean_reward, mean_outcome`` (rewards unitless),
-    sorted by batch; restricted to ``keys`` when given."""
+    groups_nonzero_advantage, groups_mixed_outcome, steps, quarantined, mean_reward,
+    mean_outcome`` (rewards unitless), sorted by batch; restricted to ``keys`` when given.
+
+    ``groups_nonzero_advantage`` counts groups whose total reward varies (shaped terms included);
+    ``groups_mixed_outcome`` those whose logged outcome varies.
+    """
     frame = lake.duckdb().sql(_PER_BATCH).pl()
     manifests = pl.DataFrame(
         [{"batch": m.key, "source": m.source, "file": m.file_name} for m in lake.registered_batches()],
@@ -41,12 +47,13 @@ def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.Dat
 def source_summary(lake: TrajectoryLake, per_batch: pl.DataFrame) -> pl.DataFrame:
     """Totals per source over ``per_batch``, plus the groups formed when the same ``task_id`` is
     pooled across the source's batches (``group_scope="source"``): ``pooled_groups`` and
-    ``pooled_groups_nonzero_advantage``."""
+    ``pooled_groups_nonzero_advantage``, and ``pooled_groups_mixed_outcome``."""
     totals = per_batch.group_by("source").agg(
         files=pl.len(),
         trajectories=pl.col("trajectories").sum(),
         groups=pl.col("groups").sum(),
         groups_nonzero_advantage=pl.col("groups_nonzero_advantage").sum(),
+        groups_mixed_outcome=pl.col("groups_mixed_outcome").sum(),
         steps=pl.col("steps").sum(),
         quarantined=pl.col("quarantined").sum(),
         mean_reward=(pl.col("mean_reward") * pl.col("trajectories")).sum() / pl.col("trajectories").sum(),
@@ -59,9 +66,13 @@ def source_summary(lake: TrajectoryLake, per_batch: pl.DataFrame) -> pl.DataFram
             AdvantageConfig(group_scope="source"),
         )
         .group_by("source", "group_key")
-        .agg(pl.col("zero_variance").first())
+        .agg(pl.col("zero_variance").first(), mixed=pl.col("r_outcome").max() > pl.col("r_outcome").min())
         .group_by("source")
-        .agg(pooled_groups=pl.len(), pooled_groups_nonzero_advantage=(~pl.col("zero_variance")).sum())
+        .agg(
+            pooled_groups=pl.len(),
+            pooled_groups_nonzero_advantage=(~pl.col("zero_variance")).sum(),
+            pooled_groups_mixed_outcome=pl.col("mixed").sum(),
+        )
     )
     return (
         totals.join(pooled, on="source", how="left")

@@ -1,6 +1,5 @@
 """``new_logs_sensor``: one dynamic partition and one run per new log file in the landing dir."""
 
-from __future__ import annotations
 
 import json
 from pathlib import Path

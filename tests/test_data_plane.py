@@ -74,7 +74,7 @@ def test_materialisations_and_checks_are_recorded_in_the_instance(ingested):
 def test_rematerialising_a_partition_gives_the_same_bytes(ingested):
     defs, instance, lake, _, key = ingested
     before = {t: lake.partition_path(t, key).read_bytes() for t in TABLES}
-    result = defs.get_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key, run_config=OUTCOME_ONLY)
+    result = defs.resolve_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key, run_config=OUTCOME_ONLY)
     assert result.success
     after = {t: lake.partition_path(t, key).read_bytes() for t in TABLES}
     assert after == before
@@ -83,7 +83,7 @@ def test_rematerialising_a_partition_gives_the_same_bytes(ingested):
 def test_rematerialising_with_other_config_replaces_exactly_that_partition(ingested):
     defs, instance, lake, _, key = ingested
     before = lake.read_partition("rewards", key)
-    result = defs.get_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key)
+    result = defs.resolve_job_def("log_batch_job").execute_in_process(instance=instance, partition_key=key)
     assert result.success
     after = lake.read_partition("rewards", key)
     assert after.height == before.height == 200

@@ -17,7 +17,7 @@ FIREACT = sorted((SHARED_DATA / "fireact").glob("*.json"))[0]
 
 
 def _tick(defs, instance, cursor=None) -> SensorResult:
-    with build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name="new_logs_sensor") as ctx:
+    with build_sensor_context(instance=instance, cursor=cursor, resources=defs.resources, sensor_name="new_logs_sensor") as ctx:
         result = new_logs_sensor(ctx)
     for request in result.dynamic_partitions_requests or []:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

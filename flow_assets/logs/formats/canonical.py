@@ -1,0 +1,33 @@
+"""flowopt canonical JSONL: one :class:`~flow_assets.logs.schema.Trajectory` JSON object per
+line, fields exactly as the schema (``docs/log-format.md``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, read_jsonl
+from flow_assets.logs.records import ParseResult
+from flow_assets.logs.schema import Trajectory
+
+FORMAT = "canonical"
+
+
+def canonical_record(obj: dict[str, Any], line: int) -> Trajectory:
+    """Validate one decoded canonical line.
+
+    Raises:
+        pydantic.ValidationError: the object does not match the schema.
+    """
+    return Trajectory.model_validate(obj)
+
+
+def parse_canonical(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """Parse a canonical JSONL file; bad lines are quarantined with their line and field.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    return read_jsonl(Path(path), FORMAT, canonical_record, max_record_bytes)

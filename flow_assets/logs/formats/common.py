@@ -1,0 +1,361 @@
+"""Machinery every format parser shares: reading records, explaining why one is bad, and
+keeping the books (``len(valid) + len(quarantined) == records_read``).
+
+Two shapes of file exist. JSONL formats (canonical, flat) hold one record per line and are read
+in binary, line by line, so an oversized or non-UTF-8 line is quarantined without being parsed.
+Whole-file JSON formats (tau-bench, tau2, FireAct) are one document whose elements are records;
+a document that is not JSON at all makes the whole file unreadable, a bad element is quarantined
+with its JSON Pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+from pydantic import AfterValidator, BeforeValidator, ValidationError
+
+from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError, ValidRecord
+from flow_assets.logs.schema import Trajectory
+
+DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
+EMPTY_FILE_REASON = "empty file: no records"
+
+# Converters turn one decoded record into a trajectory. The second argument says where the
+# record sits: the 1-based line for JSONL, the JSON Pointer for whole-file documents.
+LineConverter = Callable[[dict[str, Any], int], Trajectory]
+ElementConverter = Callable[[dict[str, Any], str], Trajectory]
+
+# What a converter raises when a record's shape surprises it (a key missing, a value of another
+# type) in a place its pydantic model does not cover: the record is quarantined, naming the
+# error, so one odd record never fails the whole file.
+_SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def _number_to_float(value: Any) -> Any:
+    # JSON has one number type: accept an int where a float belongs, but never a bool.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("must be a finite number (got NaN or infinity)")
+    return value
+
+
+def _task_id_text(value: Any) -> Any:
+    # External logs number their tasks (tau-bench: int, tau2: str); the canonical id is a string.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"task_id must be a string or an integer, not {type(value).__name__}")
+    return value
+
+
+FiniteFloat = Annotated[float, BeforeValidator(_number_to_float), AfterValidator(_finite)]
+"""A finite float field for pydantic models of external records (ints accepted, bools not)."""
+
+OptionalFiniteFloat = Annotated[
+    float | None, BeforeValidator(_number_to_float), AfterValidator(_finite)
+]
+"""Like :data:`FiniteFloat` but ``null`` allowed."""
+
+TaskId = Annotated[str, BeforeValidator(_task_id_text)]
+"""A task id given as a string or an integer, validated into a string."""
+
+
+class RecordError(ValueError):
+    """One record cannot become a trajectory. ``field`` is the dotted path to blame (``None``
+    when the record as a whole is at fault); ``reason`` says why, in words."""
+
+    def __init__(self, reason: str, field: str | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.field = field
+
+
+def dotted(loc: Iterable[Any]) -> str | None:
+    """Join a pydantic error location into a dotted path (``("steps", 2, "kind")`` gives
+    ``"steps.2.kind"``); ``None`` for an empty location (a whole-model error)."""
+    parts = [str(part) for part in loc]
+    return ".".join(parts) if parts else None
+
+
+def explain_validation(error: ValidationError) -> RecordError:
+    """Turn a pydantic error into a :class:`RecordError` naming the first offending field
+    (its dotted location) and, for a scalar, the offending value."""
+    problems = error.errors(include_url=False)
+    first = problems[0]
+    field = dotted(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    reason = f"{field or 'record'}: {message}"
+    got = first.get("input")
+    # Show the offending value when it is a scalar; a whole object would drown the message.
+    if first["type"] != "missing" and not isinstance(got, (dict, list)):
+        shown = repr(got)
+        reason += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+    if len(problems) > 1:
+        reason += f"; and {len(problems) - 1} more problem(s)"
+    return RecordError(reason, field)
+
+
+def find_non_finite(
+    value: Any, path: tuple[Any, ...] = ()
+) -> tuple[tuple[Any, ...], float] | None:
+    """Locate the first NaN or infinite float inside a decoded JSON value, depth first.
+
+    Returns ``(path, number)`` or ``None`` when every number is finite.
+    """
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = find_non_finite(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def non_finite_error(found: tuple[tuple[Any, ...], float]) -> RecordError:
+    """The quarantine reason for a NaN/Infinity found by :func:`find_non_finite`."""
+    path, number = found
+    field = dotted(path)
+    literal = "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
+    return RecordError(
+        f"{field or 'record'}: {literal} is not a finite number (JSON has no NaN or Infinity)",
+        field,
+    )
+
+
+def decode_record(raw: bytes) -> Any:
+    """Decode one JSON record with orjson; when that fails, find out precisely why.
+
+    Returns the decoded value. Raises :class:`RecordError` naming the byte offset of the first
+    non-UTF-8 byte, the field holding a NaN/Infinity literal (which orjson refuses and Python's
+    ``json`` accepts, so the latter is used to locate it), or orjson's own syntax message.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise RecordError(
+                f"not valid UTF-8: byte 0x{raw[bad.start]:02x} at byte offset {bad.start}"
+            ) from None
+        try:
+            lenient = json.loads(text)
+        except (ValueError, RecursionError):  # nesting deeper than orjson's 1024 levels
+            raise RecordError(f"invalid JSON: {strict_error}") from None
+        found = find_non_finite(lenient)
+        if found is not None:
+            raise non_finite_error(found) from None
+        # Python accepted what orjson did not and no NaN is to blame (a lone surrogate, say):
+        # keep orjson's verdict, since the record could not be written back as valid JSON.
+        raise RecordError(f"invalid JSON: {strict_error}") from None
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number"
+
+
+def _require_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RecordError(f"record is {_json_kind(value)}, expected a JSON object")
+    return value
+
+
+def _convert(
+    convert: Callable[[dict[str, Any], Any], Trajectory], obj: dict[str, Any], where: Any
+) -> Trajectory:
+    """Run a converter and turn every way a record can be malformed into a RecordError."""
+    try:
+        return convert(obj, where)
+    except RecordError:
+        raise
+    except ValidationError as error:
+        raise explain_validation(error) from None
+    except _SHAPE_ERRORS as error:
+        raise RecordError(f"unexpected record shape: {type(error).__name__}: {error}") from None
+
+
+class _Books:
+    """Collects valid and quarantined records of one file and enforces unique trajectory ids."""
+
+    def __init__(self, path: Path, fmt: str):
+        self.result = ParseResult(file=str(path), format=fmt)
+        self._seen_ids: dict[str, str] = {}
+
+    def accept(self, trajectory: Trajectory, where: str, **position: Any) -> None:
+        """Record a valid trajectory. Raises RecordError when its id was already seen."""
+        first = self._seen_ids.setdefault(trajectory.trajectory_id, where)
+        if first != where:
+            raise RecordError(
+                f"trajectory_id: duplicate {trajectory.trajectory_id!r} (first seen at {first})",
+                "trajectory_id",
+            )
+        self.result.valid.append(ValidRecord(trajectory, self.result.file, **position))
+
+    def quarantine(self, error: RecordError, raw: bytes, **position: Any) -> None:
+        """Record a quarantined record with its raw bytes and position."""
+        self.result.quarantined.append(
+            QuarantinedRecord(self.result.file, error.reason, raw, field=error.field, **position)
+        )
+
+
+def empty_result(path: Path, fmt: str) -> ParseResult:
+    """The result for an empty (or whitespace-only) file: one quarantined record, so a file
+    that arrived empty is visible downstream and conservation still holds."""
+    result = ParseResult(file=str(path), format=fmt, records_read=1)
+    result.quarantined.append(QuarantinedRecord(str(path), EMPTY_FILE_REASON, b""))
+    return result
+
+
+def read_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> ParseResult:
+    """Parse a JSONL file, one record per non-blank line, quarantining bad lines.
+
+    Lines are counted from 1, blank lines included, but blank lines are not records. A line
+    longer than ``max_record_bytes`` (bytes, line terminator excluded) is quarantined without
+    being decoded. ``raw`` of a quarantined record is the line's bytes without its terminator.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    books = _Books(path, fmt)
+    try:
+        handle = open(path, "rb")
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    with handle:
+        try:
+            for line_no, line in enumerate(handle, start=1):
+                raw = line.rstrip(b"\r\n")
+                if not raw.strip():
+                    continue
+                books.result.records_read += 1
+                try:
+                    if len(raw) > max_record_bytes:
+                        raise RecordError(
+                            f"record is {len(raw)} bytes, over the {max_record_bytes}-byte "
+                            "limit; not parsed"
+                        )
+                    obj = _require_object(decode_record(raw))
+                    books.accept(_convert(convert, obj, line_no), f"line {line_no}", line=line_no)
+                except RecordError as error:
+                    books.quarantine(error, raw, line=line_no)
+        except OSError as error:
+            raise UnreadableLogError(str(path), f"read failed: {error}") from None
+    if books.result.records_read == 0:
+        return empty_result(path, fmt)
+    return books.result
+
+
+@dataclass(frozen=True)
+class Document:
+    """A whole-file JSON document. ``lenient`` is true when orjson refused it and Python's
+    ``json`` (which accepts NaN/Infinity literals) had to read it; elements must then be
+    checked for non-finite numbers and re-serialised with ``json`` to keep them intact."""
+
+    value: Any
+    lenient: bool = False
+
+    def raw(self, element: Any) -> bytes:
+        """The element's bytes for a quarantine record: compact JSON, NaN kept as ``NaN``."""
+        if self.lenient:
+            return json.dumps(element, ensure_ascii=False, allow_nan=True).encode("utf-8")
+        return orjson.dumps(element)
+
+
+def load_document(path: Path) -> Document | None:
+    """Read a whole-file JSON document; ``None`` when the file is empty or whitespace only.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened, is not UTF-8 (the message gives the byte
+            offset), or is not JSON (truncated, trailing garbage...).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    if not data.strip():
+        return None
+    try:
+        return Document(orjson.loads(data))
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            reason = f"not valid UTF-8: byte 0x{data[bad.start]:02x} at byte offset {bad.start}"
+            raise UnreadableLogError(str(path), reason) from None
+        try:
+            lenient = json.loads(text)
+        except (ValueError, RecursionError):
+            raise UnreadableLogError(str(path), f"not valid JSON: {strict_error}") from None
+        return Document(lenient, lenient=True)
+
+
+def pointer_token(key: Any) -> str:
+    """Escape one JSON Pointer reference token (RFC 6901: ``~`` → ``~0``, ``/`` → ``~1``)."""
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def read_elements(
+    path: Path,
+    fmt: str,
+    document: Document,
+    elements: Iterable[tuple[str, Any]],
+    convert: ElementConverter,
+) -> ParseResult:
+    """Convert the record elements of a whole-file document, quarantining bad ones.
+
+    ``elements`` yields ``(json_pointer, element)``; each counts as one record read. A document
+    with no elements (``[]``) gives an empty result: the file was not empty, it held no runs.
+    """
+    books = _Books(path, fmt)
+    for pointer, element in elements:
+        books.result.records_read += 1
+        try:
+            obj = _require_object(element)
+            if document.lenient:
+                found = find_non_finite(obj)
+                if found is not None:
+                    raise non_finite_error(found)
+            books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
+        except RecordError as error:
+            books.quarantine(error, document.raw(element), pointer=pointer)
+    return books.result
+
+
+def require_document_shape(path: Path, document: Document, ok: bool, expected: str) -> None:
+    """Raise :class:`UnreadableLogError` when a document's top level is not what the format
+    expects (``ok`` is false), e.g. an explicit ``tau-bench`` on a tau2 file."""
+    if not ok:
+        found = _json_kind_top(document.value)
+        raise UnreadableLogError(str(path), f"expected {expected}, found {found}")
+
+
+def _json_kind_top(value: Any) -> str:
+    if isinstance(value, dict):
+        keys = ", ".join(list(value)[:5])
+        return f"an object with keys [{keys}]"
+    return _json_kind(value)

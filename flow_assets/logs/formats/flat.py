@@ -1,0 +1,91 @@
+"""The flat interaction-record JSONL: one prompt/response exchange per line.
+
+``{task_id, input, response, score, agent_id, adapter_version?, timestamp?, metadata?,
+success?, interaction_id?}``. Each line becomes a one-step trajectory: ``query = input``, one
+``answer`` step whose output is ``response``, ``final_answer = response``.
+
+Choice: when ``success`` is absent it is inferred as ``score >= 0.5`` (flat scores are rewards
+in [0, 1] and 0.5 is the midpoint); a producer with another threshold must send ``success``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, read_jsonl
+from flow_assets.logs.records import ParseResult
+from flow_assets.logs.schema import Outcome, Step, Trajectory
+
+FORMAT = "flat"
+SUCCESS_THRESHOLD = 0.5
+
+
+class FlatRecord(BaseModel):
+    """One flat line, validated strictly (unknown keys are an error, so a canonical line fed to
+    this parser is quarantined instead of silently half-read)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    task_id: str = Field(min_length=1)
+    input: str
+    response: str
+    score: float
+    agent_id: str = Field(min_length=1)
+    adapter_version: str | None = None
+    timestamp: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    success: bool | None = None
+    interaction_id: str | None = Field(None, min_length=1)
+
+    @field_validator("score", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        return v
+
+    @field_validator("score")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("score must be a finite number (got NaN or infinity)")
+        return v
+
+
+def flat_trajectory(record: FlatRecord, default_id: str) -> Trajectory:
+    """The one-step trajectory of a validated flat record; ``default_id`` is used as
+    ``trajectory_id`` when the record has no ``interaction_id``."""
+    success = record.success if record.success is not None else record.score >= SUCCESS_THRESHOLD
+    return Trajectory(
+        trajectory_id=record.interaction_id or default_id,
+        task_id=record.task_id,
+        agent_id=record.agent_id,
+        adapter_version=record.adapter_version,
+        query=record.input,
+        steps=[Step(index=0, kind="answer", output=record.response)],
+        final_answer=record.response,
+        outcome=Outcome(success=success, score=record.score),
+        timestamp=record.timestamp,
+        metadata=record.metadata,
+    )
+
+
+def parse_flat(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """Parse a flat JSONL file; bad lines are quarantined with their line and field (the field
+    is the flat key, e.g. ``score``). ``trajectory_id`` defaults to ``"{file stem}:{line}"``.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    path = Path(path)
+
+    def convert(obj: dict[str, Any], line: int) -> Trajectory:
+        return flat_trajectory(FlatRecord.model_validate(obj), f"{path.stem}:{line}")
+
+    return read_jsonl(path, FORMAT, convert, max_record_bytes)

@@ -1,0 +1,179 @@
+"""Read any supported log file: detect its format by content and run that format's parser.
+
+``FORMATS`` maps a format name to its parser, so a caller can also name the format explicitly.
+Which files of the landing directory get read at all (never ``*.tmp`` or ``.``-prefixed names)
+is decided by ``sensors/landing.py``; see ``docs/log-format.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from flow_assets.logs.formats.canonical import parse_canonical
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, empty_result, load_document
+from flow_assets.logs.formats.fireact import parse_fireact
+from flow_assets.logs.formats.flat import parse_flat
+from flow_assets.logs.formats.openai_chat import parse_tau_bench
+from flow_assets.logs.formats.tau2 import parse_tau2
+from flow_assets.logs.records import ParseResult, UnreadableLogError
+
+Parser = Callable[..., ParseResult]
+
+FORMATS: dict[str, Parser] = {
+    "canonical": parse_canonical,
+    "flat": parse_flat,
+    "tau-bench": parse_tau_bench,
+    "tau2": parse_tau2,
+    "fireact": parse_fireact,
+}
+"""Format name → parser ``(path, *, max_record_bytes) -> ParseResult``."""
+
+# How many non-blank lines detection inspects looking for a recognisable JSONL record, and how
+# many elements of a whole-file document it inspects for the expected keys: enough to step over
+# a few corrupted records at the head of a file, few enough to stay O(1) on huge files.
+_SNIFF_LINES = 100
+_SNIFF_ELEMENTS = 20
+_SNIFF_LINE_BYTES = DEFAULT_MAX_RECORD_BYTES
+
+
+def _jsonl_kind(record: dict[str, Any]) -> str | None:
+    if "steps" in record or "trajectory_id" in record:
+        return "canonical"
+    if "response" in record or "input" in record:
+        return "flat"
+    return None
+
+
+def _document_kind(doc: Any) -> str | None:
+    """The whole-file format a decoded document has the shape of, or ``None``."""
+    if isinstance(doc, list):
+        head = [e for e in islice(doc, _SNIFF_ELEMENTS) if isinstance(e, dict)]
+        if any("traj" in e and "task_id" in e for e in head):
+            return "tau-bench"
+    elif isinstance(doc, dict):
+        if isinstance(doc.get("simulations"), list):
+            return "tau2"
+        head = [v for v in islice(doc.values(), _SNIFF_ELEMENTS) if isinstance(v, dict)]
+        if any("traj" in v and "gt" in v for v in head):
+            return "fireact"
+    return None
+
+
+def _head_lines(path: Path) -> list[bytes]:
+    """Up to ``_SNIFF_LINES`` non-blank lines from the top of the file, stripped; lines over
+    ``_SNIFF_LINE_BYTES`` are skipped (they would be quarantined unparsed anyway).
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    lines: list[bytes] = []
+    try:
+        with open(path, "rb") as handle:
+            for line in handle:
+                if line.strip() and len(line) <= _SNIFF_LINE_BYTES:
+                    lines.append(line.strip())
+                    if len(lines) >= _SNIFF_LINES:
+                        break
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    return lines
+
+
+def is_blank_file(path: str | Path) -> bool:
+    """Whether a file holds nothing but ASCII whitespace (0 bytes included); read in chunks.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 16):
+                if chunk.strip():
+                    return False
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    return True
+
+
+def _sniff_lines(lines: list[bytes]) -> str | None:
+    for line in lines:
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        kind = _jsonl_kind(value) if isinstance(value, dict) else None
+        kind = kind or _document_kind(value)  # a whole document written on one line
+        if kind:
+            return kind
+    return None
+
+
+_UNRECOGNISED = (
+    "unrecognised log format (expected canonical or flat JSONL, or a tau-bench, tau2 or FireAct "
+    "JSON document)"
+)
+
+
+def detect_format(path: str | Path) -> str:
+    """The name (a key of :data:`FORMATS`) of the format of a log file, judged by content.
+
+    JSONL is recognised by the keys of its first line that decodes to an object (``steps`` or
+    ``trajectory_id``: canonical; ``input`` or ``response``: flat). A file whose first line is a
+    lone ``{`` or ``[`` is read as one JSON document: a list of objects with ``traj`` and
+    ``task_id`` is tau-bench, an object with a ``simulations`` list is tau2, an object whose
+    values have ``traj`` and ``gt`` is FireAct.
+
+    Raises:
+        UnreadableLogError: the file cannot be read, is empty, is a JSON document that does not
+            parse (e.g. truncated), or matches no format. The message names the file.
+    """
+    path = Path(path)
+    if is_blank_file(path):
+        raise UnreadableLogError(str(path), "empty file: no records to detect a format from")
+    lines = _head_lines(path)
+    # A pretty-printed document opens with a lone bracket; a JSONL record never does.
+    pretty_document = bool(lines) and lines[0] in (b"{", b"[")
+    if not pretty_document:
+        kind = _sniff_lines(lines)
+        if kind:
+            return kind
+    try:
+        document = load_document(path)
+    except UnreadableLogError:
+        if pretty_document:
+            raise
+        raise UnreadableLogError(str(path), _UNRECOGNISED) from None
+    kind = _document_kind(document.value) if document is not None else None
+    if kind is None:
+        raise UnreadableLogError(str(path), _UNRECOGNISED)
+    return kind
+
+
+def parse_file(
+    path: str | Path, fmt: str = "auto", *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """Parse one log file into valid trajectories and quarantined records.
+
+    ``fmt`` is a key of :data:`FORMATS` or ``"auto"`` (detect by content). An empty or
+    whitespace-only file yields one quarantined record (reason ``"empty file: no records"``,
+    ``records_read == 1``); its ``format`` is ``fmt``, or ``"unknown"`` when detecting.
+    ``max_record_bytes`` bounds one JSONL line (bytes); longer lines are quarantined unparsed.
+
+    Raises:
+        ValueError: ``fmt`` names no known format.
+        UnreadableLogError: the file cannot be read, its format cannot be detected, or a
+            whole-file JSON document is not valid JSON / not the named format's shape.
+    """
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    path = Path(path)
+    if fmt == "auto":
+        if is_blank_file(path):
+            return empty_result(path, "unknown")
+        fmt = detect_format(path)
+    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
