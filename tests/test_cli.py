@@ -1,0 +1,66 @@
+"""`flowopt ingest` end to end: the console script, a real instance, a JSON summary on stdout."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dagster import DagsterInstance
+
+from flow_assets.logs.reader import parse_file
+from flow_assets.partitions import log_batches
+from tests.conftest import SHARED_DATA, TAU_BENCH
+
+FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
+
+
+def _ingest(tmp_path, *paths, extra=()):
+    cmd = [FLOWOPT, "ingest", *map(str, paths), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
+           "--home", str(tmp_path / "home"), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_ingest_prints_a_summary_per_file_and_registers_partitions(tmp_path):
+    # a canonical JSONL made from real tau2 trajectories, with one line broken on purpose
+    tau2 = SHARED_DATA / "tau2-bench" / "button-claude-opus-4-6_distyl-ai_2026-03-04" / "airline.json"
+    lines = [rec.trajectory.model_dump_json() for rec in parse_file(tau2).valid[:12]]
+    lines[5] = lines[5].replace('"task_id"', '"task_idx"', 1)
+    jsonl = tmp_path / "button.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    rc, out, err = _ingest(tmp_path, TAU_BENCH, jsonl)
+    assert rc == 0, err[-3000:]
+    report = json.loads(out)
+    by_file = {Path(f["file"]).name: f for f in report["files"]}
+    tau = by_file[TAU_BENCH.name]
+    assert tau["partition_key"].startswith("tau-bench.gpt-4o-airline.")
+    assert (tau["trajectories"], tau["groups"], tau["quarantined"]) == (200, 50, 0)
+    assert tau["steps"] == sum(len(r.trajectory.steps) for r in parse_file(TAU_BENCH).valid)
+    assert 0 < tau["groups_nonzero_advantage"] <= 50
+    assert isinstance(tau["mean_reward"], float)
+    broken = by_file["button.jsonl"]
+    assert (broken["trajectories"], broken["quarantined"]) == (11, 1)
+    instance = DagsterInstance.local_temp(str(tmp_path / "home"))
+    assert sorted(instance.get_dynamic_partitions(log_batches.name)) == sorted(f["partition_key"] for f in report["files"])
+
+
+def test_ingesting_the_same_bytes_twice_adds_no_batch(tmp_path):
+    first = json.loads(_ingest(tmp_path, TAU_BENCH)[1])
+    rc, out, _ = _ingest(tmp_path, TAU_BENCH)
+    assert rc == 0
+    second = json.loads(out)
+    assert second["files"][0]["partition_key"] == first["files"][0]["partition_key"]
+    assert second["files"][0]["trajectories"] == 200
+    instance = DagsterInstance.local_temp(str(tmp_path / "home"))
+    assert len(instance.get_dynamic_partitions(log_batches.name)) == 1
+    assert len(instance.get_runs()) == 1
+
+
+def test_ingest_of_an_unreadable_file_fails_with_its_name(tmp_path):
+    bad = tmp_path / "cut.json"
+    bad.write_bytes(TAU_BENCH.read_bytes()[:4000])
+    rc, out, _ = _ingest(tmp_path, bad, TAU_BENCH)
+    assert rc == 1
+    files = {Path(f["file"]).name: f for f in json.loads(out)["files"]}
+    assert "cut.json" in files["cut.json"]["error"]
+    assert files[TAU_BENCH.name]["trajectories"] == 200
