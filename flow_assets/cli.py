@@ -1,4 +1,4 @@
-"""The ``flowopt`` command: ``flowopt demo``, ``flowopt ingest PATH...``."""
+"""The ``flowopt`` command: ``demo``, ``ingest PATH...``, ``rollback``, ``schema``."""
 
 from __future__ import annotations
 
@@ -56,6 +56,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollback(args: argparse.Namespace) -> int:
+    from resources.registry import AdapterRegistry, RegistryError
+
+    registry = AdapterRegistry(root=args.models)
+    try:
+        before = registry.champion()
+        after = registry.rollback(by=args.by, reason=args.reason)
+    except RegistryError as exc:
+        print(f"flowopt rollback: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     from flow_assets.logs.schema import json_schema
 
@@ -63,8 +77,22 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_libraries() -> None:
+    # the tiny model is loaded many times per round; progress bars and deprecation notes drown
+    # the lines a person reads
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="dagster")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowopt`` console script; returns the process exit code."""
+    _quiet_libraries()
     parser = argparse.ArgumentParser(prog="flowopt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job end to end on the real logs (local instance)")
@@ -77,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--lake", default=".lake", help="lake directory (default .lake)")
     ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
     ingest.set_defaults(fn=_ingest)
+    rollback = sub.add_parser("rollback", help="restore the previous champion adapter in the registry")
+    rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
+    rollback.add_argument("--by", default=None, help="who rolls back (default: the current user)")
+    rollback.set_defaults(fn=_rollback)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)

@@ -1,8 +1,10 @@
 """The flowopt code location: every asset, check, job, sensor and resource in one Definitions.
 
 Paths come from the environment so the same code serves the demo, CI and a deployment:
-``FLOWOPT_LAKE`` (default ``.lake``) and ``FLOWOPT_LANDING`` (default ``.landing``), relative to
-the working directory of the process that loads the code location.
+``FLOWOPT_LAKE`` (default ``.lake``), ``FLOWOPT_LANDING`` (default ``.landing``) and
+``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry), relative to
+the working directory of the process that loads the code location; ``FLOWOPT_BASE_MODEL`` points
+at a user's own model directory instead of the tiny demo model.
 """
 
 import os
@@ -10,20 +12,32 @@ import os
 from dagster import Definitions
 
 from flow_assets.data_plane import data_plane_assets
-from flow_assets.jobs import log_batch_job
+from flow_assets.jobs import base_policy_job, log_batch_job, training_round_job
+from flow_assets.training import collect_rollouts_job, training_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
+from resources.policy import PolicyModel
+from resources.registry import AdapterRegistry
+from resources.tasks import TaskSourceResource
 from sensors.new_logs import new_logs_sensor
+from sensors.training import training_round_sensor
 
 
 def build_resources(
-    lake_root: str | None = None, landing_dir: str | None = None, formats: dict[str, str] | None = None
+    lake_root: str | None = None,
+    landing_dir: str | None = None,
+    formats: dict[str, str] | None = None,
+    models_root: str | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
     ``formats`` maps landing-relative globs to parser names (default: detect by content).
     """
+    models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     return {
+        "policy": PolicyModel(models_root=models, base_model_path=os.environ.get("FLOWOPT_BASE_MODEL") or None),
+        "registry": AdapterRegistry(root=models),
+        "tasks": TaskSourceResource(),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"), formats=formats or {}
@@ -32,14 +46,17 @@ def build_resources(
 
 
 def build_definitions(
-    lake_root: str | None = None, landing_dir: str | None = None, formats: dict[str, str] | None = None
+    lake_root: str | None = None,
+    landing_dir: str | None = None,
+    formats: dict[str, str] | None = None,
+    models_root: str | None = None,
 ) -> Definitions:
     """The Definitions object; tests and the CLI pass explicit paths."""
     return Definitions(
-        assets=[*data_plane_assets],
-        jobs=[log_batch_job],
-        sensors=[new_logs_sensor],
-        resources=build_resources(lake_root, landing_dir, formats),
+        assets=[*data_plane_assets, *training_assets],
+        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job],
+        sensors=[new_logs_sensor, training_round_sensor],
+        resources=build_resources(lake_root, landing_dir, formats, models_root),
     )
 
 

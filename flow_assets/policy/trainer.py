@@ -1,0 +1,471 @@
+"""One GRPO training round on a batch of scored completions, with checkpoints and resume.
+
+Input: samples ``(prompt ids, completion ids, behaviour log-probs or None, advantage)``, a PEFT
+LoRA model whose adapter is trainable, and optionally a frozen reference model. The round runs
+``num_epochs`` passes over the samples in minibatches, one AdamW step per minibatch, minimising
+the clipped GRPO surrogate of :mod:`flow_assets.rl.grpo_loss` (DeepSeekMath 2024 eq. 3)::
+
+    for step in 1..total_steps:
+        logp_new: [mb, seq]   = teacher-forced log-probs of the completion tokens (temperature T)
+        logp_old: [mb, seq]   = the logged behaviour log-probs (rows without them: logp_new.detach())
+        ref_logp: [mb, seq]   = reference log-probs (only when beta > 0)
+        loss = grpo_loss(logp_new, logp_old, advantages[mb], mask, ref_logp)
+        loss.backward(); clip_grad_norm_(max_grad_norm); AdamW step
+
+Samples whose advantage is exactly 0 (zero-variance groups) would contribute no gradient
+(every per-token term is ``ratio * 0``); they are dropped up front and counted.
+
+Minibatch order: pass ``e`` uses the permutation ``numpy.random.default_rng([seed, e])``, a pure
+function of ``(seed, e)``, so a resumed round sees exactly the minibatches the interrupted one
+would have seen.
+
+Checkpoints (every ``checkpoint_every`` steps and at the last step) go to
+``<output_dir>/checkpoint-<step>/``::
+
+    adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors)
+    optimizer.pt           AdamW state_dict
+    rng_state.pt           torch, numpy and python RNG states
+    trainer_state.json     step counter, total steps, per-step metrics so far, the retention metric
+    config.json            this round's exact GRPOTrainerConfig
+
+Each is written into a temporary directory ``.tmp-checkpoint-<step>-<pid>`` and renamed into
+place, so a kill mid-write leaves no half checkpoint (leftover temporary directories are removed on
+resume). Retention keeps the ``keep_best`` checkpoints with the best retention metric (default: the
+lowest mean loss over the steps since the previous checkpoint) plus, always, the latest one, which
+``resume`` needs. ``resume=True`` restores the latest complete checkpoint (adapter weights,
+optimizer state, RNG states, step counter, metrics) and continues from the next step; it refuses to
+continue a different round (other config or other samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from flow_assets.policy.sampling import completion_logprobs
+from flow_assets.rl.grpo_loss import GRPOLossConfig, grpo_loss
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One scored completion, token in / token out.
+
+    Attributes:
+        prompt_ids: prompt token ids exactly as fed to the sampler (``<bos>`` first).
+        completion_ids: sampled completion token ids (``<eos>`` included when produced).
+        advantage: the completion's (group-relative) advantage; broadcast over its tokens.
+        behaviour_logprobs: ``[len(completion_ids)]`` log-probs at sampling time, or ``None`` (then the
+            importance ratio is 1 at the current parameters).
+        task_id: the group it came from (informational).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    behaviour_logprobs: list[float] | None = None
+    task_id: str | None = None
+
+
+@dataclass(frozen=True)
+class GRPOTrainerConfig:
+    """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
+
+    Attributes:
+        output_dir: where ``checkpoint-<step>/`` directories go.
+        learning_rate: AdamW learning rate (constant). 2e-3 suits LoRA on the tiny model; real
+            models want ~1e-5 to 1e-4.
+        weight_decay: AdamW decoupled weight decay (0: the adapter starts at zero anyway).
+        num_epochs: passes over the round's samples (PPO-style reuse; with behaviour log-probs the
+            importance ratio and clipping keep later passes close to the sampling policy).
+        minibatch_size: samples per optimizer step.
+        max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
+        max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
+        temperature: the sampling temperature of the rollouts; the training logits are divided by
+            it (as TRL does) so that ``logp_new`` is comparable with the behaviour log-probs.
+        loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
+        seed: seeds minibatch order and the torch/numpy/python RNGs at the start of the round.
+        checkpoint_every: save a checkpoint every this many steps (and always at the last step).
+        keep_best: number of best checkpoints kept by ``best_metric`` (the latest is kept besides).
+        best_metric: :class:`StepMetrics` field averaged over the steps since the previous
+            checkpoint; the retention score of a checkpoint. Default ``"loss"``: note that the GRPO
+            surrogate's value is a weak quality signal (held-out evaluation picks the candidate);
+            retention only bounds disk use.
+        best_mode: ``"min"`` keeps the lowest scores, ``"max"`` the highest.
+    """
+
+    output_dir: str = "checkpoints"
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.0
+    num_epochs: int = 1
+    minibatch_size: int = 64
+    max_steps: int | None = None
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_best: int = 5
+    best_metric: str = "loss"
+    best_mode: Literal["min", "max"] = "min"
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimizer step did (all python floats/ints, JSON-ready).
+
+    Attributes:
+        step: global step number, 1-based.
+        loss: GRPO surrogate value.
+        grad_norm: global gradient L2 norm before clipping.
+        clip_fraction / clip_low_fraction / clip_high_fraction: share of tokens clipped (see
+            :class:`~flow_assets.rl.grpo_loss.GRPOLossOutput`).
+        mean_ratio: mean importance ratio.
+        kl: mean k3 KL to the reference (0 when ``beta == 0``).
+        num_tokens: completion tokens in the minibatch.
+        num_samples: completions in the minibatch.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    clip_low_fraction: float
+    clip_high_fraction: float
+    mean_ratio: float
+    kl: float
+    num_tokens: int
+    num_samples: int
+
+
+@dataclass
+class RoundResult:
+    """Outcome of :func:`train_grpo_round`.
+
+    Attributes:
+        steps: metrics of every step of the round, including those restored from a checkpoint.
+        final_step: last step number reached (0 when nothing was trained).
+        resumed_from: step of the checkpoint the round resumed from, else ``None``.
+        num_samples: samples trained on (non-zero advantage).
+        num_dropped_zero_advantage: samples dropped because their advantage is exactly 0.
+        latest_checkpoint: path of the last checkpoint written (``None`` when nothing was trained).
+        kept_checkpoints: checkpoint directories left after retention, by step.
+        seconds: wall-clock time of this call.
+    """
+
+    steps: list[StepMetrics] = field(default_factory=list)
+    final_step: int = 0
+    resumed_from: int | None = None
+    num_samples: int = 0
+    num_dropped_zero_advantage: int = 0
+    latest_checkpoint: str | None = None
+    kept_checkpoints: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def config_to_dict(config: GRPOTrainerConfig) -> dict:
+    """The config as plain JSON-able data (nested loss config included)."""
+    return dataclasses.asdict(config)
+
+
+class GRPORoundTrainer:
+    """Stateful form of one round: build it, optionally :meth:`resume_from_latest`, then :meth:`train`.
+
+    Args:
+        model: a ``PeftModel`` whose adapter requires grad (only trainable parameters are optimised).
+        samples: the round's samples; zero-advantage ones are dropped.
+        config: round settings.
+        ref_model: frozen reference for the KL term when ``config.loss.beta > 0``; if ``None`` the
+            reference is ``model`` with its adapter disabled (the base model).
+
+    Raises:
+        TypeError: if ``model`` is not a ``PeftModel``.
+        ValueError: if a sample is malformed (empty prompt, behaviour log-probs of the wrong length)
+            or the model has no trainable parameters.
+    """
+
+    def __init__(
+        self,
+        model: PeftModel,
+        samples: list[TrainingSample],
+        config: GRPOTrainerConfig | None = None,
+        ref_model: PreTrainedModel | None = None,
+    ):
+        if not isinstance(model, PeftModel):
+            raise TypeError("the GRPO trainer trains a PEFT adapter; wrap the model with add_lora_adapter")
+        self.model = model
+        self.config = config or GRPOTrainerConfig()
+        self.ref_model = ref_model
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise ValueError(f"sample {i}: empty prompt_ids")
+            if s.behaviour_logprobs is not None and len(s.behaviour_logprobs) != len(s.completion_ids):
+                raise ValueError(
+                    f"sample {i}: {len(s.behaviour_logprobs)} behaviour log-probs for "
+                    f"{len(s.completion_ids)} completion tokens"
+                )
+        self.samples = [s for s in samples if s.advantage != 0.0 and s.completion_ids]
+        self.num_dropped = len(samples) - len(self.samples)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=self.config.learning_rate, weight_decay=self.config.weight_decay
+        )
+        self.pad_id = getattr(model.config, "pad_token_id", None) or 0
+        self.step = 0
+        self.history: list[StepMetrics] = []
+        self.resumed_from: int | None = None
+        self.latest_checkpoint: Path | None = None
+        self.output_dir = Path(self.config.output_dir)
+        self._seed_everything(self.config.seed)
+
+    # ----------------------------------------------------------------------------- schedule
+    @property
+    def steps_per_epoch(self) -> int:
+        """Minibatches per pass over the samples."""
+        return math.ceil(len(self.samples) / self.config.minibatch_size)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole round."""
+        total = self.config.num_epochs * self.steps_per_epoch
+        return total if self.config.max_steps is None else min(total, self.config.max_steps)
+
+    def minibatch(self, step: int) -> list[int]:
+        """Sample indices of global step ``step`` (1-based); a pure function of (seed, step)."""
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.samples))
+        size = self.config.minibatch_size
+        return order[k * size : (k + 1) * size].tolist()
+
+    def samples_fingerprint(self) -> str:
+        """sha256 over the samples' ids, advantages and log-probs (identifies the round's data)."""
+        h = hashlib.sha256()
+        for s in self.samples:
+            h.update(json.dumps([s.prompt_ids, s.completion_ids, s.advantage, s.behaviour_logprobs]).encode())
+        return h.hexdigest()
+
+    # ----------------------------------------------------------------------------- training
+    def train(self, on_step: Callable[[StepMetrics], None] | None = None) -> RoundResult:
+        """Run the remaining steps of the round (all of them unless resumed), checkpointing as configured.
+
+        Args:
+            on_step: called with each new step's metrics (after its checkpoint, if any).
+
+        Returns:
+            :class:`RoundResult`.
+        """
+        start = time.perf_counter()
+        while self.step < self.total_steps:
+            metrics = self._train_step(self.step + 1)
+            self.step = metrics.step
+            self.history.append(metrics)
+            if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(metrics)
+        self.model.eval()
+        return RoundResult(
+            steps=list(self.history),
+            final_step=self.step,
+            resumed_from=self.resumed_from,
+            num_samples=len(self.samples),
+            num_dropped_zero_advantage=self.num_dropped,
+            latest_checkpoint=str(self.latest_checkpoint) if self.latest_checkpoint else None,
+            kept_checkpoints=[str(p) for _, p in self._complete_checkpoints()],
+            seconds=time.perf_counter() - start,
+        )
+
+    def _train_step(self, step: int) -> StepMetrics:
+        batch = [self.samples[i] for i in self.minibatch(step)]
+        prompts = [s.prompt_ids for s in batch]
+        completions = [s.completion_ids for s in batch]
+        self.model.train()
+        logp_new, mask = completion_logprobs(
+            self.model, prompts, completions, self.pad_id, self.config.temperature
+        )  # [mb, seq] each
+        logp_old = self._behaviour_logprobs(batch, logp_new)  # [mb, seq]
+        ref_logp = self._reference_logprobs(prompts, completions) if self.config.loss.beta > 0 else None
+        advantages = torch.tensor([s.advantage for s in batch], dtype=logp_new.dtype)  # [mb]
+        out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, self.config.loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.optimizer.step()
+        return StepMetrics(
+            step=step,
+            loss=float(out.loss.detach()),
+            grad_norm=float(grad_norm),
+            clip_fraction=out.clip_fraction,
+            clip_low_fraction=out.clip_low_fraction,
+            clip_high_fraction=out.clip_high_fraction,
+            mean_ratio=out.mean_ratio,
+            kl=out.mean_kl,
+            num_tokens=out.num_tokens,
+            num_samples=len(batch),
+        )
+
+    @staticmethod
+    def _behaviour_logprobs(batch: list[TrainingSample], logp_new: torch.Tensor) -> torch.Tensor:
+        """``[mb, seq]`` logged log-probs; rows without them get ``logp_new.detach()`` (ratio 1)."""
+        logp_old = logp_new.detach().clone()
+        for i, s in enumerate(batch):
+            if s.behaviour_logprobs is not None:
+                logp_old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs, dtype=logp_old.dtype)
+        return logp_old
+
+    def _reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+        """``[mb, seq]`` log-probs under the reference (the given model, else the adapter-free base)."""
+        with torch.no_grad():
+            if self.ref_model is not None:
+                logp, _ = completion_logprobs(self.ref_model, prompts, completions, self.pad_id, self.config.temperature)
+            else:
+                with self.model.disable_adapter():
+                    logp, _ = completion_logprobs(self.model, prompts, completions, self.pad_id, self.config.temperature)
+        return logp
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoint-<step>`` atomically (temp dir + rename), then apply retention.
+
+        Returns:
+            the checkpoint directory.
+        """
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        final = self.output_dir / f"checkpoint-{self.step}"
+        tmp = self.output_dir / f".tmp-checkpoint-{self.step}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        self.model.save_pretrained(str(tmp / "adapter"), safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(
+            {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            tmp / "rng_state.pt",
+        )
+        (tmp / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "samples_fingerprint": self.samples_fingerprint(),
+            "retention_metric": self._retention_metric(),
+            "metrics": [dataclasses.asdict(m) for m in self.history],
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():  # a re-run of the same step: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self.latest_checkpoint = final
+        self._apply_retention()
+        return final
+
+    def _retention_metric(self) -> float:
+        """Mean of ``best_metric`` over the steps since the previous checkpoint."""
+        previous = (self.step - 1) // self.config.checkpoint_every * self.config.checkpoint_every
+        window = [m for m in self.history if m.step > previous] or self.history[-1:]
+        return float(np.mean([getattr(m, self.config.best_metric) for m in window]))
+
+    def _complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of complete checkpoints in ``output_dir``, by step."""
+        if not self.output_dir.is_dir():
+            return []
+        found = []
+        for p in self.output_dir.iterdir():
+            m = CHECKPOINT_RE.match(p.name)
+            if m and (p / "trainer_state.json").is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def _apply_retention(self) -> None:
+        checkpoints = self._complete_checkpoints()
+        if not checkpoints:
+            return
+        latest_step = checkpoints[-1][0]
+        scored = []
+        for step, path in checkpoints:
+            value = json.loads((path / "trainer_state.json").read_text())["retention_metric"]
+            scored.append((value if self.config.best_mode == "min" else -value, step, path))
+        keep = {step for _, step, _ in sorted(scored)[: self.config.keep_best]} | {latest_step}
+        for _, step, path in scored:
+            if step not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def resume_from_latest(self) -> int | None:
+        """Restore the latest complete checkpoint in ``output_dir``; returns its step, or ``None`` if none.
+
+        Restores adapter weights, AdamW state, torch/numpy/python RNG states, the step counter and the
+        metrics history. Removes leftover temporary directories of interrupted writes.
+
+        Raises:
+            ValueError: if the checkpoint belongs to a different round (other config or samples).
+        """
+        if self.output_dir.is_dir():
+            for p in self.output_dir.glob(".tmp-checkpoint-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        checkpoints = self._complete_checkpoints()
+        if not checkpoints:
+            return None
+        step, path = checkpoints[-1]
+        saved_config = json.loads((path / "config.json").read_text())
+        if saved_config != json.loads(json.dumps(config_to_dict(self.config))):
+            raise ValueError(f"{path}: saved config differs from this round's config; not resuming")
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state["samples_fingerprint"] != self.samples_fingerprint():
+            raise ValueError(f"{path}: checkpoint was trained on other samples; not resuming")
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.model, adapter)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        rng = torch.load(path / "rng_state.pt", weights_only=False)  # our own file: numpy/python states
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.step = state["step"]
+        self.history = [StepMetrics(**m) for m in state["metrics"]]
+        self.resumed_from = step
+        self.latest_checkpoint = path
+        return step
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+
+
+def train_grpo_round(
+    model: PeftModel,
+    samples: list[TrainingSample],
+    config: GRPOTrainerConfig | None = None,
+    ref_model: PreTrainedModel | None = None,
+    resume: bool = False,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> RoundResult:
+    """Run one GRPO training round (see module docstring); with ``resume=True`` continue the latest
+    complete checkpoint in ``config.output_dir`` if there is one.
+
+    Raises:
+        TypeError / ValueError: see :class:`GRPORoundTrainer` and
+            :meth:`GRPORoundTrainer.resume_from_latest`.
+    """
+    trainer = GRPORoundTrainer(model, samples, config, ref_model)
+    if resume:
+        trainer.resume_from_latest()
+    return trainer.train(on_step=on_step)
