@@ -1,0 +1,136 @@
+"""Training rounds as Dagster runs on a real instance and a real tiny model.
+
+One module-scoped world: base policy (small SFT), the tau-bench log, and rollout batches of the
+trainable policy, all through the sensors. Each test then runs rounds with its own config.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
+
+from flow_assets.definitions import build_definitions
+from flow_assets.demo import QUIET
+from flow_assets.local import execute_requests, tick_sensor
+from resources.registry import AdapterRegistry
+from tests.conftest import TAU_BENCH
+
+pytestmark = pytest.mark.slow
+
+BASE = {"ops": {"base_policy": {"config": {"sft_steps": 300, "sft_demonstrations": 300}}}}
+COLLECT = {"tasks_per_batch": 24, "group_size": 8}
+EVAL = {"max_tasks": 120}
+# a permissive gate, to exercise promotion itself (the default gate is "not worse")
+OPEN_GATE = {"min_gain": -1.0, "max_kl": 1e9}
+
+
+class World:
+    def __init__(self, root: Path, instance: DagsterInstance):
+        self.root, self.instance = root, instance
+        self.models = root / "models"
+        self.defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(self.models))
+        self.registry = AdapterRegistry(root=str(self.models))
+        self.cursor = None
+
+    def run(self, job: str, partition_key: str | None = None, run_config: dict | None = None):
+        return self.defs.resolve_job_def(job).execute_in_process(
+            instance=self.instance, partition_key=partition_key, run_config={**QUIET, **(run_config or {})}, raise_on_error=False
+        )
+
+    def land_and_process(self) -> list[str]:
+        tick = execute_requests(self.defs, self.instance, "log_batch_job", tick_sensor(self.defs, self.instance, "new_logs_sensor"))
+        assert not tick.failed, tick.failed
+        return tick.succeeded
+
+    def collect(self) -> str:
+        assert self.run("collect_rollouts_job", run_config={"ops": {"collect_rollouts": {"config": COLLECT}}}).success
+        (key,) = self.land_and_process()
+        return key
+
+    def training_requests(self) -> list[str]:
+        tick = tick_sensor(self.defs, self.instance, "training_round_sensor", self.cursor)
+        self.cursor = tick.cursor
+        return [r.partition_key for r in tick.run_requests]
+
+    def train(self, key: str, train: dict | None = None, evaluation: dict | None = None):
+        config = {"ops": {"policy_checkpoint": {"config": train or {}}, "evaluation_report": {"config": {**EVAL, **(evaluation or {})}}}}
+        return self.run("training_round_job", partition_key=key, run_config=config)
+
+    def round_files(self, key: str) -> tuple[dict, dict]:
+        run_dir = self.models / "runs" / key
+        return json.loads((run_dir / "round.json").read_text()), json.loads((run_dir / "evaluation.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("training")
+    (root / "home").mkdir()
+    with instance_for_test(temp_dir=str(root / "home")) as instance:
+        w = World(root, instance)
+        (root / "landing" / "tau-bench").mkdir(parents=True)
+        (root / "landing" / "tau-bench" / TAU_BENCH.name).write_bytes(TAU_BENCH.read_bytes())
+        w.land_and_process()
+        assert w.run("base_policy_job", run_config=BASE).success
+        yield w
+
+
+def test_real_logs_stop_after_advantages(world):
+    # the tau-bench batch was processed before any rollout: the training sensor declines it
+    assert world.training_requests() == []
+    assert world.instance.get_materialized_partitions(AssetKey("advantages"))
+    assert not world.instance.get_materialized_partitions(AssetKey("policy_checkpoint"))
+
+
+def test_collected_batch_lands_with_behaviour_logprobs_and_gets_its_round(world):
+    key = world.collect()
+    assert key.startswith("flowopt-spell_backward.rollouts-0000-v0-")
+    assert world.training_requests() == [key]
+    assert world.training_requests() == []  # decided once
+    result = world.train(key, evaluation=OPEN_GATE)
+    assert result.success
+    summary, evaluation = world.round_files(key)
+    assert summary["parent_version"] == "v0" and summary["final_step"] > 0
+    assert all(map(lambda x: x == x and abs(x) < 1e6, summary["losses"]))
+    report = evaluation["report"]
+    for mode in ("greedy", "sampled"):
+        assert report[mode]["n_tasks"] == EVAL["max_tasks"]
+        for policy in ("candidate", "champion"):
+            rate = report[mode][policy]["success_rate"]
+            assert rate["ci_low"] <= rate["rate"] <= rate["ci_high"]
+    # the permissive gate passed, so the candidate became v1, with who/why in the history
+    champ = world.registry.champion()
+    assert champ["version"] == "v1"
+    last = world.registry.load()["history"][-1]
+    assert last["action"] == "promote" and last["previous"] == "v0" and key in last["by"]
+    keys = [AssetCheckKey(AssetKey("evaluation_report"), name) for name in ("gain", "finite_loss", "kl_bound")]
+    executions = world.instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
+    assert set(executions) == set(keys)
+
+
+def test_worse_candidate_is_blocked_and_champion_unchanged(world):
+    before = world.registry.champion()
+    key = world.collect()
+    assert world.training_requests() == [key]
+    # trained AGAINST its advantages, hard: the candidate must get worse and be refused
+    result = world.train(key, train={"negate_advantages": True, "learning_rate": 0.02, "num_epochs": 4})
+    assert not result.success
+    summary, evaluation = world.round_files(key)
+    assert summary["negate_advantages"] is True
+    assert evaluation["gate"]["gain"]["passed"] is False
+    assert evaluation["report"]["sampled"]["gain"] < 0
+    assert world.registry.champion() == before
+    mats = world.instance.fetch_materializations(AssetKey("promoted_adapter"), limit=100).records
+    assert key not in {r.partition_key for r in mats}
+
+
+def test_rollback_command_restores_the_previous_champion(world):
+    assert world.registry.champion()["version"] == "v1"
+    flowopt = str(Path(sys.executable).with_name("flowopt"))
+    done = subprocess.run([flowopt, "rollback", "--models", str(world.models), "--reason", "test"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"previous_champion": "v1", "champion": "v0", "adapter_path": str(world.models / "adapters" / "v0")}
+    assert world.registry.champion()["version"] == "v0"
+    assert world.registry.load()["history"][-1]["action"] == "rollback"
