@@ -9,9 +9,28 @@ coerced reward is worse than a quarantined record.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+def _number_to_float(value: Any) -> Any:
+    # JSON has one number type: accept an int where a float belongs, but never a bool.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("must be a finite number (got NaN or infinity)")
+    return value
+
+
+FiniteFloat = Annotated[float, BeforeValidator(_number_to_float), AfterValidator(_finite)]
+"""A finite float field (ints accepted, bools and NaN/infinity refused), for strict models."""
+
+OptionalFiniteFloat = Annotated[float | None, BeforeValidator(_number_to_float), AfterValidator(_finite)]
+"""Like :data:`FiniteFloat` but ``null`` allowed."""
 
 StepKind = Literal["plan", "tool", "verify", "answer", "message"]
 STEP_KINDS: tuple[str, ...] = ("plan", "tool", "verify", "answer", "message")
@@ -38,38 +57,14 @@ class Step(BaseModel):
     input: Any = Field(None, description="tool arguments or prompt (any JSON)")
     output: Any = Field(None, description="tool result or generated text (any JSON)")
     status: Literal["ok", "error"] = "ok"
-    confidence: float | None = Field(None, ge=0.0, le=1.0)
-    duration_ms: float | None = Field(None, ge=0.0, description="wall time of the step, ms")
+    confidence: OptionalFiniteFloat = Field(None, ge=0.0, le=1.0)
+    duration_ms: OptionalFiniteFloat = Field(None, ge=0.0, description="wall time of the step, ms")
     token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-
-    @field_validator("confidence", "duration_ms", mode="before")
-    @classmethod
-    def _int_is_a_number(cls, v: Any) -> Any:
-        # strict mode refuses int for float; JSON has one number type, so accept ints (not bools).
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
-
-    @field_validator("confidence", "duration_ms")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _logprobs_numbers(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
-        return v
+    logprobs: list[FiniteFloat] | None = None
 
     @model_validator(mode="after")
     def _tokens_match_logprobs(self) -> Step:
         if self.logprobs is not None:
-            if any(not math.isfinite(x) for x in self.logprobs):
-                raise ValueError("logprobs must be finite")
             if self.token_ids is None or len(self.token_ids) != len(self.logprobs):
                 raise ValueError("token_ids and logprobs must have the same length")
         return self
@@ -82,21 +77,7 @@ class Outcome(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     success: bool | None = None
-    score: float | None = None
-
-    @field_validator("score", mode="before")
-    @classmethod
-    def _int_is_a_number(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
-
-    @field_validator("score")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("score must be a finite number (got NaN or infinity)")
-        return v
+    score: OptionalFiniteFloat = None
 
     @model_validator(mode="after")
     def _something_known(self) -> Outcome:

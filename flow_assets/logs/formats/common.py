@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
-from pydantic import AfterValidator, BeforeValidator, ValidationError
+from pydantic import BeforeValidator, ValidationError
 
 from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError, ValidRecord
-from flow_assets.logs.schema import Trajectory
+from flow_assets.logs.schema import FiniteFloat, OptionalFiniteFloat, Trajectory
 
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
 EMPTY_FILE_REASON = "empty file: no records"
@@ -37,19 +37,6 @@ ElementConverter = Callable[[dict[str, Any], str], Trajectory]
 _SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError)
 
 
-def _number_to_float(value: Any) -> Any:
-    # JSON has one number type: accept an int where a float belongs, but never a bool.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def _finite(value: float | None) -> float | None:
-    if value is not None and not math.isfinite(value):
-        raise ValueError("must be a finite number (got NaN or infinity)")
-    return value
-
-
 def _task_id_text(value: Any) -> Any:
     # External logs number their tasks (tau-bench: int, tau2: str); the canonical id is a string.
     if isinstance(value, int) and not isinstance(value, bool):
@@ -58,14 +45,6 @@ def _task_id_text(value: Any) -> Any:
         raise ValueError(f"task_id must be a string or an integer, not {type(value).__name__}")
     return value
 
-
-FiniteFloat = Annotated[float, BeforeValidator(_number_to_float), AfterValidator(_finite)]
-"""A finite float field for pydantic models of external records (ints accepted, bools not)."""
-
-OptionalFiniteFloat = Annotated[
-    float | None, BeforeValidator(_number_to_float), AfterValidator(_finite)
-]
-"""Like :data:`FiniteFloat` but ``null`` allowed."""
 
 TaskId = Annotated[str, BeforeValidator(_task_id_text)]
 """A task id given as a string or an integer, validated into a string."""

@@ -10,15 +10,14 @@ in [0, 1] and 0.5 is the midpoint); a producer with another threshold must send 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, read_jsonl
 from flow_assets.logs.records import ParseResult
-from flow_assets.logs.schema import Outcome, Step, Trajectory
+from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
 FORMAT = "flat"
 SUCCESS_THRESHOLD = 0.5
@@ -33,27 +32,13 @@ class FlatRecord(BaseModel):
     task_id: str = Field(min_length=1)
     input: str
     response: str
-    score: float
+    score: FiniteFloat
     agent_id: str = Field(min_length=1)
     adapter_version: str | None = None
     timestamp: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     success: bool | None = None
     interaction_id: str | None = Field(None, min_length=1)
-
-    @field_validator("score", mode="before")
-    @classmethod
-    def _int_is_a_number(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        return v
-
-    @field_validator("score")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("score must be a finite number (got NaN or infinity)")
-        return v
 
 
 def flat_trajectory(record: FlatRecord, default_id: str) -> Trajectory:
