@@ -1,0 +1,307 @@
+"""Data plane throughput: the real logs of ``../shared/data``, replicated, through ``log_batch_job``.
+
+What is measured, per size and repeat, in a fresh child process (so that its peak memory is its
+own):
+
+1. ``register``: one tick of ``new_logs_sensor`` (sha256 of the landed file, snapshot copy into the
+   lake, one dynamic partition);
+2. ``job``: ``log_batch_job`` executed in process on a real (SQLite) Dagster instance:
+   ``interaction_logs -> trajectories -> rewards -> advantages``, lake writes and metadata included;
+   each asset's own seconds come from its step events, the rest of the job is Dagster's overhead.
+
+The input: every real log file is parsed once (``parse_file``), its trajectories written back as
+canonical JSONL and replicated with new ``trajectory_id`` and ``task_id`` (``<id>#<copy>``) until
+the batch holds the wanted number of steps, so groups keep their real sizes and rewards, and the
+batch is one landed file (one partition) as a large agent fleet would write it.
+
+The floor: the same file's bytes read and every line decoded by the fastest JSON reader installed
+(``orjson``, ``msgspec`` or ``ujson``), nothing kept; ``job seconds / floor seconds`` is how many
+times slower than merely parsing JSON the whole data plane is.
+
+Sizes: the issue asks for about 1, 4 and 16 million steps. Canonical JSONL of these logs is about
+590 bytes per step, so 16 M steps would be ~9.5 GB of JSON and, held as validated trajectories in
+one process, several times that in memory: more than this 2-core / 23 GB shared machine can hold
+within the 20-minute budget of ``make bench``. The default run keeps the issue's 1 : 4 : 16 ratio
+on a smaller base (see :data:`FULL_SIZES`) and reports the linear fit, so the time at 1/4/16 M steps
+can be read off it; the sizes actually run are stated in the results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from benchmarks.common import (
+    SHARED_DATA,
+    dagster_step_seconds,
+    linear_fit,
+    ratio,
+    rss_mb,
+    run_child,
+    scaling_exponent,
+    summarize,
+    time_call,
+)
+
+#: steps per batch in the full run (1 : 4 : 16, as the issue's 1 M : 4 M : 16 M)
+FULL_SIZES = (62_500, 250_000, 1_000_000)
+#: repeats per size in the full run (each in a fresh process)
+FULL_REPEATS = (3, 3, 2)
+#: ``--quick``: two small sizes (a fit needs two), one repeat each
+QUICK_SIZES = (4_000, 16_000)
+QUICK_REPEATS = (1, 1)
+SOURCE = "replicated"
+
+
+# -- input ---------------------------------------------------------------------------------------
+def real_records(data_dir: Path = SHARED_DATA) -> list[dict]:
+    """Every valid trajectory of the real logs in ``data_dir`` as a canonical JSON object (dict).
+
+    Raises:
+        FileNotFoundError: ``data_dir`` holds no ``*.json`` log.
+    """
+    from flow_assets.logs.reader import parse_file
+
+    files = sorted(Path(data_dir).rglob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no real logs (*.json) under {data_dir}")
+    return [orjson.loads(v.trajectory.model_dump_json()) for f in files for v in parse_file(f).valid]
+
+
+def write_replicated(records: list[dict], target_steps: int, path: Path) -> dict:
+    """Write canonical JSONL holding at least ``target_steps`` steps: ``records`` over and over,
+    copy ``k`` renaming ``trajectory_id`` and ``task_id`` to ``<id>#<k>``.
+
+    Returns:
+        ``trajectories``, ``steps`` and ``bytes`` written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trajectories = steps = 0
+    with open(path, "wb") as out:
+        copy = 0
+        while steps < target_steps:
+            for rec in records:
+                line = {**rec, "trajectory_id": f"{rec['trajectory_id']}#{copy}", "task_id": f"{rec['task_id']}#{copy}"}
+                out.write(orjson.dumps(line) + b"\n")
+                trajectories += 1
+                steps += len(rec["steps"])
+                if steps >= target_steps:
+                    break
+            copy += 1
+    return {"trajectories": trajectories, "steps": steps, "bytes": path.stat().st_size}
+
+
+# -- floor ---------------------------------------------------------------------------------------
+def json_readers() -> dict:
+    """The installed fast JSON decoders, name -> ``loads(bytes)``."""
+    readers = {}
+    for name, attr in (("orjson", "loads"), ("msgspec", "json.decode"), ("ujson", "loads")):
+        try:
+            obj = importlib.import_module(name)
+        except ImportError:
+            continue
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        readers[name] = obj
+    return readers
+
+
+def decode_all(path: Path, loads) -> int:
+    """Read ``path`` and decode every non-blank line with ``loads`` (keeping nothing); returns the
+    number of lines decoded."""
+    n = 0
+    for line in path.read_bytes().splitlines():
+        if line:
+            loads(line)
+            n += 1
+    return n
+
+
+def floor_seconds(path: Path, repeats: int) -> dict:
+    """Seconds to read and decode ``path`` with each installed reader; the floor is the fastest.
+
+    Returns:
+        ``reader`` (the fastest), ``seconds`` (its :func:`summarize`), ``by_reader`` (median
+        seconds of each).
+    """
+    by_reader = {}
+    for name, loads in json_readers().items():
+        decode_all(path, loads)  # warm the page cache and the reader
+        by_reader[name] = summarize([time_call(decode_all, path, loads)[0] for _ in range(repeats)])
+    best = min(by_reader, key=lambda n: by_reader[n]["median"])
+    return {"reader": best, "seconds": by_reader[best], "by_reader": {n: s["median"] for n, s in by_reader.items()}}
+
+
+# -- the job, in a child process ---------------------------------------------------------------
+def job_child(landing: str, work: str) -> dict:
+    """Child process: register the landed batch and run ``log_batch_job`` on a fresh instance.
+
+    Args:
+        landing: landing directory holding ``replicated/<file>.jsonl``.
+        work: empty directory for this run's lake and ``DAGSTER_HOME``.
+
+    Returns:
+        ``register_seconds``, ``job_seconds``, ``asset_seconds`` (per asset), ``dagster_overhead_seconds``
+        (job minus its assets), ``trajectories``, ``steps``, ``baseline_rss_mb`` (after imports).
+
+    Raises:
+        RuntimeError: the batch failed.
+    """
+    from benchmarks.common import quiet_libraries
+
+    quiet_libraries()
+    from flow_assets.definitions import build_definitions
+    from flow_assets.local import execute_requests, local_instance, tick_sensor
+    from resources.lake import TrajectoryLake
+
+    work_dir = Path(work)
+    instance = local_instance(work_dir / "dagster_home")
+    lake_root = str(work_dir / "lake")
+    defs = build_definitions(lake_root, landing)
+    baseline = rss_mb()
+    register_seconds, tick = time_call(tick_sensor, defs, instance, "new_logs_sensor")
+    job_seconds, tick = time_call(execute_requests, defs, instance, "log_batch_job", tick)
+    if tick.failed or len(tick.succeeded) != 1:
+        raise RuntimeError(f"log batch failed: {tick.failed or 'no run'}")
+    run_id = instance.get_runs(limit=1)[0].run_id
+    assets = dagster_step_seconds(instance, run_id)
+    lake = TrajectoryLake(root=lake_root)
+    key = tick.succeeded[0]
+    return {
+        "register_seconds": register_seconds,
+        "job_seconds": job_seconds,
+        "asset_seconds": assets,
+        "dagster_overhead_seconds": job_seconds - sum(assets.values()),
+        "trajectories": lake.read_partition("trajectories", key).height,
+        "steps": lake.read_partition("steps", key).height,
+        "baseline_rss_mb": baseline,
+    }
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+def measure_size(records: list[dict], steps: int, repeats: int, scratch: Path) -> dict:
+    """One size: write the replicated batch, run the job ``repeats`` times (fresh child each),
+    time the floor on the same bytes. Returns every figure of this size (see :func:`run`)."""
+    landing = scratch / f"landing-{steps}"
+    batch = write_replicated(records, steps, landing / SOURCE / f"batch-{steps}.jsonl")
+    runs, peaks = [], []
+    for r in range(repeats):
+        work = scratch / f"run-{steps}-{r}"
+        result, peak = run_child("benchmarks.data_plane:job_child", {"landing": str(landing), "work": str(work)})
+        if result["steps"] != batch["steps"] or result["trajectories"] != batch["trajectories"]:
+            raise RuntimeError(f"job lost rows: wrote {batch}, lake holds {result}")
+        runs.append(result)
+        peaks.append(peak)
+        shutil.rmtree(work, ignore_errors=True)
+    floor = floor_seconds(landing / SOURCE / f"batch-{steps}.jsonl", max(3, repeats))
+    shutil.rmtree(landing, ignore_errors=True)
+    job = summarize([r["job_seconds"] for r in runs])
+    asset_names = sorted(runs[0]["asset_seconds"])
+    return {
+        "steps": batch["steps"],
+        "trajectories": batch["trajectories"],
+        "megabytes": batch["bytes"] / 2**20,
+        "job_seconds": job,
+        "register_seconds": summarize([r["register_seconds"] for r in runs]),
+        "asset_seconds": {a: summarize([r["asset_seconds"][a] for r in runs]) for a in asset_names},
+        "dagster_overhead_seconds": summarize([r["dagster_overhead_seconds"] for r in runs]),
+        "trajectories_per_second": batch["trajectories"] / job["median"],
+        "steps_per_second": batch["steps"] / job["median"],
+        "seconds_per_million_steps": job["median"] / batch["steps"] * 1e6,
+        "peak_rss_mb": summarize(peaks),
+        "baseline_rss_mb": summarize([r["baseline_rss_mb"] for r in runs]),
+        "floor": floor,
+        "ratio_to_floor": ratio(job["median"], floor["seconds"]["median"]),
+    }
+
+
+def sizes_note(per_size: list[dict], scaling: dict) -> str:
+    """What was run against what the issue asks (1, 4, 16 M steps), and why, in one sentence."""
+    steps = [p["steps"] for p in per_size]
+    mb_per_step = per_size[-1]["megabytes"] / steps[-1]
+    gb_16m = mb_per_step * 16e6 / 1024
+    rss_16m = scaling["projected_peak_rss_mb"]["16M_steps"] / 1024
+    return (
+        f"data plane ran {' / '.join(f'{s:,}' for s in steps)} steps (1 : 4 : 16, as the issue's 1M : 4M : 16M, on a "
+        f"16x smaller base); larger sizes are linear projections: 16M steps would be {gb_16m:.1f} GiB of JSON and "
+        f"~{rss_16m:.0f} GiB of peak memory at the measured rate, beyond this shared machine and the 20-minute budget"
+    )
+
+
+def run(quick: bool = False) -> dict:
+    """The data-plane benchmark (module docstring).
+
+    Returns:
+        ``sizes`` (per size: steps, trajectories, MB of JSON, job seconds with spread, register and
+        per-asset seconds, Dagster overhead, trajectories/s, steps/s, seconds per million steps,
+        peak RSS MB, the floor and ``ratio_to_floor``), ``scaling`` (linear fit of job seconds on
+        steps, log-log exponents over all sizes and between the two largest, per asset too,
+        largest/smallest time ratio against the size ratio, seconds and peak RSS projected to
+        1/4/16 M steps), ``headline`` and ``tables`` (one row per size).
+    """
+    sizes, repeats = (QUICK_SIZES, QUICK_REPEATS) if quick else (FULL_SIZES, FULL_REPEATS)
+    records = real_records()
+    scratch = Path(tempfile.mkdtemp(prefix="flowopt-bench-data-plane-"))
+    started = time.perf_counter()
+    try:
+        per_size = [measure_size(records, s, r, scratch) for s, r in zip(sizes, repeats)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    steps = [p["steps"] for p in per_size]
+    seconds = [p["job_seconds"]["median"] for p in per_size]
+    fit = linear_fit(steps, seconds)
+    memory = linear_fit(steps, [p["peak_rss_mb"]["median"] for p in per_size])
+    top = per_size[-2:]
+    scaling = {
+        "fit_seconds_per_million_steps": fit["slope"] * 1e6,
+        "fit_intercept_seconds": fit["intercept"],
+        "fit_r2": fit["r2"],
+        "loglog_exponent": scaling_exponent(steps, seconds),
+        "exponent_two_largest_sizes": scaling_exponent([p["steps"] for p in top], [p["job_seconds"]["median"] for p in top]),
+        "asset_exponent_two_largest_sizes": {
+            a: scaling_exponent([p["steps"] for p in top], [p["asset_seconds"][a]["median"] for p in top])
+            for a in top[-1]["asset_seconds"]
+        },
+        "size_ratio_largest_to_smallest": steps[-1] / steps[0],
+        "time_ratio_largest_to_smallest": seconds[-1] / seconds[0],
+        "projected_seconds": {f"{m}M_steps": fit["intercept"] + fit["slope"] * m * 1e6 for m in (1, 4, 16)},
+        "peak_rss_mb_per_million_steps": memory["slope"] * 1e6,
+        "projected_peak_rss_mb": {f"{m}M_steps": memory["intercept"] + memory["slope"] * m * 1e6 for m in (1, 4, 16)},
+    }
+    largest = per_size[-1]
+    headline = [
+        {"figure": f"job at {largest['steps']:,} steps", "value": largest["job_seconds"]["median"], "unit": "s",
+         "spread": [largest["job_seconds"]["min"], largest["job_seconds"]["max"]]},
+        {"figure": "steps/s (largest size)", "value": largest["steps_per_second"], "unit": "steps/s"},
+        {"figure": "trajectories/s (largest size)", "value": largest["trajectories_per_second"], "unit": "traj/s"},
+        {"figure": f"job / floor ({largest['floor']['reader']} decode of the same bytes)", "value": largest["ratio_to_floor"], "unit": "x"},
+        {"figure": "peak RSS (largest size)", "value": largest["peak_rss_mb"]["median"], "unit": "MB"},
+        {"figure": "time growth exponent, smallest -> largest / two largest sizes (1.0 = linear)",
+         "value": [scaling["loglog_exponent"], scaling["exponent_two_largest_sizes"]], "unit": "",
+         "note": "two largest, per asset: " + ", ".join(f"{a} {e:.2f}" for a, e in scaling["asset_exponent_two_largest_sizes"].items())},
+        {"figure": "linear projection to 1M / 4M / 16M steps: job", "value": list(scaling["projected_seconds"].values()), "unit": "s",
+         "note": f"fit r2 {fit['r2']:.3f}"},
+        {"figure": "linear projection to 1M / 4M / 16M steps: peak RSS", "value": list(scaling["projected_peak_rss_mb"].values()), "unit": "MB"},
+    ]
+    table = {
+        "title": "data plane by size (log_batch_job, medians)",
+        "columns": ["steps", "trajectories", "JSON MB", "job s", "s per 1M steps", "steps/s", "traj/s",
+                    "peak RSS MB", "floor s", "job / floor"],
+        "rows": [[p["steps"], p["trajectories"], p["megabytes"], p["job_seconds"]["median"], p["seconds_per_million_steps"],
+                  p["steps_per_second"], p["trajectories_per_second"], p["peak_rss_mb"]["median"],
+                  p["floor"]["seconds"]["median"], p["ratio_to_floor"]] for p in per_size],
+    }
+    return {
+        "what": "log_batch_job (ingest -> trajectories -> rewards -> advantages) on the real logs replicated",
+        "sizes_note": sizes_note(per_size, scaling) if not quick else "quick mode: smallest sizes only",
+        "sizes": per_size,
+        "scaling": scaling,
+        "seconds": time.perf_counter() - started,
+        "headline": headline,
+        "tables": [table],
+    }

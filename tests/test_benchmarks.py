@@ -1,0 +1,147 @@
+"""Every benchmark still runs: once each, at its smallest size (``--quick``), with every figure
+present and sane. No timing is asserted: speed goals are reported by ``make bench``, never pass/fail."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import collection, data_plane, sample_efficiency, trainer_vs_trl, training_round
+from benchmarks.__main__ import main as bench_main
+from benchmarks.common import linear_fit, ratio, scaling_exponent, summarize
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The benchmarks' default (see benchmarks/common.py), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def assert_summary(s: dict, n: int | None = None) -> None:
+    assert {"median", "q1", "q3", "iqr", "min", "max", "n", "values"} <= s.keys()
+    assert s["min"] <= s["q1"] <= s["median"] <= s["q3"] <= s["max"]
+    assert s["n"] == len(s["values"]) and (n is None or s["n"] == n)
+
+
+def assert_headline(result: dict) -> None:
+    assert result["headline"], "every benchmark reports headline figures"
+    for row in result["headline"]:
+        assert row["figure"] and "value" in row and row["value"] is not None
+
+
+def test_summarize_gives_median_quartiles_and_range():
+    s = summarize([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (s["median"], s["q1"], s["q3"], s["iqr"], s["min"], s["max"], s["n"]) == (3.0, 2.0, 4.0, 2.0, 1.0, 5.0, 5)
+    assert summarize([7.0])["iqr"] == 0.0
+
+
+def test_linear_time_has_exponent_one_and_fit_recovers_the_line():
+    xs = [1e3, 4e3, 16e3]
+    assert scaling_exponent(xs, [2 * x for x in xs]) == pytest.approx(1.0)
+    fit = linear_fit(xs, [5 + 0.5 * x for x in xs])
+    assert fit["slope"] == pytest.approx(0.5) and fit["intercept"] == pytest.approx(5) and fit["r2"] == pytest.approx(1.0)
+    assert math.isnan(ratio(1.0, 0.0))
+
+
+def test_replicated_batch_keeps_real_records_with_new_ids(tmp_path):
+    records = data_plane.real_records()
+    out = data_plane.write_replicated(records, 20_000, tmp_path / "batch.jsonl")
+    lines = (tmp_path / "batch.jsonl").read_bytes().splitlines()
+    assert out["steps"] >= 20_000 and out["trajectories"] == len(lines) > len(records)
+    ids = [json.loads(line)["trajectory_id"] for line in lines]
+    assert len(set(ids)) == len(ids)
+
+
+def test_data_plane_quick_reports_every_size_and_the_floor_ratio():
+    result = data_plane.run(quick=True)
+    assert [s["steps"] >= target for s, target in zip(result["sizes"], data_plane.QUICK_SIZES)] == [True, True]
+    for size in result["sizes"]:
+        assert_summary(size["job_seconds"], n=1)
+        assert set(size["asset_seconds"]) == {"interaction_logs", "trajectories", "rewards", "advantages"}
+        for key in ("trajectories_per_second", "steps_per_second", "ratio_to_floor", "seconds_per_million_steps"):
+            assert positive(size[key]), key
+        assert size["peak_rss_mb"]["median"] > size["baseline_rss_mb"]["median"] > 0
+        assert size["floor"]["reader"] in data_plane.json_readers()
+    assert math.isfinite(result["scaling"]["loglog_exponent"])
+    assert set(result["scaling"]["projected_seconds"]) == {"1M_steps", "4M_steps", "16M_steps"}
+    assert_headline(result)
+
+
+def test_trainer_vs_trl_quick_times_both_sides_in_both_modes():
+    result = trainer_vs_trl.run(quick=True)
+    assert set(result["modes"]) == {"full", "lora"}
+    for mode, res in result["modes"].items():
+        for side in ("flowopt", "trl"):
+            assert "error" not in res[side], f"{mode}/{side}: {res[side].get('error')}"
+            for part in ("step", "train", "generation"):
+                assert_summary(res[side][f"{part}_seconds"], n=trainer_vs_trl.QUICK_STEPS)
+            assert res[side]["step_seconds"]["min"] > 0
+            assert positive(res[side]["completions_per_second"])
+        assert all(positive(r) for r in res["ratio_flowopt_over_trl"].values())
+    assert_headline(result)
+
+
+def test_collection_quick_compares_eight_rollouts_with_one_and_all_batch_sizes():
+    result = collection.run(quick=True)
+    pair = result["group_vs_single"]
+    assert positive(pair["ratio_8_over_1"]) and isinstance(pair["meets_goal"], bool)
+    assert set(result["by_batch_size"]) == {"8", "64", "256"}
+    for b, r in result["by_batch_size"].items():
+        assert r["completions"] == int(b) and positive(r["completions_per_second"]) and positive(r["tokens_per_second"])
+    assert_headline(result)
+
+
+def test_training_round_quick_splits_the_wall_time():
+    result = training_round.run(quick=True)
+    assert len(result["rounds"]) == 1
+    round_ = result["rounds"][0]
+    for part in ("collection_generation", "training", "evaluation"):
+        assert positive(round_[part]), part
+    parts = sum(round_[p] for p in training_round.PARTS)
+    assert parts == pytest.approx(round_["wall"])
+    assert round_["dagster_overhead"] > 0 and round_["other_asset_work"] > 0
+    assert positive(result["peak_rss_mb"])
+    assert_headline(result)
+
+
+def test_sample_efficiency_quick_gives_a_curve_and_a_plateau():
+    result = sample_efficiency.run(quick=True)
+    (curve,) = result["curves"]
+    assert [p["trajectories"] for p in curve["points"]] == [0, sample_efficiency.TASKS_PER_ROUND * sample_efficiency.GROUP]
+    assert all(0.0 <= p["sampled"] <= 1.0 and 0.0 <= p["greedy"] <= 1.0 for p in curve["points"])
+    assert curve["plateau"]["trajectories"] in (None, 0, 512)
+    assert result["summary"]["seeds"] == 1
+    assert result["headline"][0]["value"] is not None
+
+
+def test_plateau_is_the_first_point_near_the_final_value():
+    points = [{"trajectories": 512 * k, "sampled": v} for k, v in enumerate([0.3, 0.4, 0.5, 0.6, 0.6, 0.61, 0.6])]
+    found = sample_efficiency.plateau(points, window=1)
+    assert found["final"] == pytest.approx(0.6) and found["trajectories"] == 512 * 3 and found["within_plan"]
+
+
+def test_a_curve_that_never_rises_has_no_plateau():
+    points = [{"trajectories": 512 * k, "sampled": v} for k, v in enumerate([0.30, 0.31, 0.29, 0.30, 0.31])]
+    found = sample_efficiency.plateau(points)
+    assert not found["learned"] and found["trajectories"] is None and not found["within_plan"]
+
+
+def test_bench_command_writes_json_and_markdown(tmp_path):
+    assert bench_main(["--quick", "--only", "collection", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert set(report["benchmarks"]) == {"collection"} and report["quick"] is True
+    assert len(report["machine"]["before"]["loadavg_1_5_15"]) == 3
+    table = (tmp_path / "latest.md").read_text()
+    assert "| collection | 8 rollouts / 1 rollout of one task (goal < 2) |" in table
