@@ -22,7 +22,9 @@ from resources.registry import AdapterRegistry
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 _INSTANCE_STORAGE = ("storage", "history", "schedules", "logs", ".logs_queue", ".telemetry")
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+# console stays quiet: a gate that blocks a round is reported on the round's line, and every
+# event (with stack traces) is in the instance, visible in the UI
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def land_shared_data(data_dir: Path, landing: Path) -> list[Path]:
@@ -150,7 +152,7 @@ def run_demo(
     models_root: Path = REPO_ROOT / ".models",
     data_dir: Path = SHARED_DATA,
     report: Path = REPO_ROOT / "reports" / "demo-summary.json",
-    rounds: int = 6,
+    rounds: int = 20,
     collect_config: dict | None = None,
 ) -> dict:
     """Run the demo and write ``report``; returns the report's content.
@@ -189,7 +191,10 @@ def run_demo(
         raise RuntimeError("base_policy failed")
     base_seconds = time.perf_counter() - t0
     print(f"base policy ready in {base_seconds:.1f} s\n")
-    header = f"{'round':>5}  {'champion':>8}  {'greedy':>6}  {'sampled':>7}  {'reward':>6}  {'seconds':>7}  (gen / train / dagster)"
+    header = (
+        f"{'round':>5}  {'champion':>8}  {'greedy':>6}  {'sampled':>7}  {'reward':>6}  {'seconds':>7}  "
+        "(gen / train / dagster)  gate"
+    )
     print(header)
     lines = []
     for k in range(1, rounds + 1):
@@ -198,7 +203,8 @@ def run_demo(
         print(
             f"{k:>5}  {line['champion']:>8}  {line['greedy_success']:>6.3f}  {line['sampled_success']:>7.3f}  "
             f"{line['mean_reward']:>6.3f}  {line['seconds']:>7.1f}  ({line['generation_seconds']:.1f} / "
-            f"{line['training_seconds']:.1f} / {line['dagster_overhead_seconds']:.1f})",
+            f"{line['training_seconds']:.1f} / {line['dagster_overhead_seconds']:.1f})  "
+            + ("promoted" if line["promoted"] else "blocked: " + ", ".join(n for n, g in line["gate"].items() if not g["passed"])),
             flush=True,
         )
     base_sampled = lines[0]["base_sampled_success"]

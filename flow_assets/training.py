@@ -55,6 +55,7 @@ from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 
 GROUP = "training"
+_TINY, _SFT, _TRAIN = TinyModelConfig(), SFTConfig(), GRPOTrainerConfig()  # defaults live in the pure configs
 POOL = "training"  # dagster.yaml: pools default_limit 1, granularity run -> one round at a time
 
 
@@ -79,13 +80,14 @@ def _champion(registry: AdapterRegistry) -> dict:
 class BasePolicyConfig(Config):
     """The tiny demo model and its supervised warm start (ignored when base_model_path is set)."""
 
-    hidden_size: int = Field(128, description="model width")
-    intermediate_size: int = Field(256, description="MLP width")
-    num_hidden_layers: int = Field(2, description="decoder blocks")
-    num_attention_heads: int = Field(4, description="attention heads")
-    sft_demonstrations: int = Field(200, description="train-split tasks used as demonstrations")
-    sft_steps: int = Field(150, description="SFT optimizer steps")
-    sft_learning_rate: float = Field(3e-3, description="SFT learning rate")
+    hidden_size: int = Field(_TINY.hidden_size, description="model width")
+    intermediate_size: int = Field(_TINY.intermediate_size, description="MLP width")
+    num_hidden_layers: int = Field(_TINY.num_hidden_layers, description="decoder blocks")
+    num_attention_heads: int = Field(_TINY.num_attention_heads, description="attention heads")
+    sft_demonstrations: int = Field(1000, description="train-split tasks used as demonstrations")
+    sft_steps: int = Field(_SFT.steps, description="SFT optimizer steps")
+    sft_batch_size: int = Field(_SFT.batch_size, description="demonstrations per SFT step")
+    sft_learning_rate: float = Field(_SFT.learning_rate, description="SFT learning rate")
     seed: int = Field(0, description="model init and SFT order seed")
 
 
@@ -122,7 +124,12 @@ def base_policy(
         model, tokenizer = policy.load()
         demos = [(t.prompt, t.demonstration) for t in tasks.source().tasks("train")[: config.sft_demonstrations]]
         sft = sft_train(
-            model, tokenizer, demos, SFTConfig(steps=config.sft_steps, learning_rate=config.sft_learning_rate, seed=config.seed)
+            model, tokenizer, demos, SFTConfig(
+                steps=config.sft_steps,
+                batch_size=config.sft_batch_size,
+                learning_rate=config.sft_learning_rate,
+                seed=config.seed,
+            ),
         )
         model.save_pretrained(str(base))
         meta.update(
@@ -145,7 +152,7 @@ def base_policy(
 class CollectConfig(Config):
     """One collection: the champion answers ``tasks_per_batch`` train tasks, ``group_size`` times each."""
 
-    tasks_per_batch: int = Field(64, description="train tasks per batch")
+    tasks_per_batch: int = Field(512, description="train tasks per batch")
     group_size: int = Field(8, description="rollouts per task (GRPO group size G)")
     temperature: float = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, description="nucleus sampling threshold")
@@ -210,14 +217,14 @@ def collect_rollouts_job():
 class TrainConfig(Config):
     """GRPO round settings (stored with every checkpoint)."""
 
-    learning_rate: float = Field(2e-3, description="AdamW learning rate")
-    num_epochs: int = Field(1, description="passes over the batch")
-    minibatch_size: int = Field(64, description="samples per optimizer step")
-    max_grad_norm: float = Field(1.0, description="gradient clipping norm")
-    eps_low: float = Field(0.2, description="clip range below 1")
-    eps_high: float = Field(0.2, description="clip range above 1")
-    beta: float = Field(0.0, description="k3 KL weight to the reference (0: no reference pass)")
-    loss_type: str = Field("dapo", description="token aggregation: grpo | bnpo | dapo | dr_grpo")
+    learning_rate: float = Field(_TRAIN.learning_rate, description="AdamW learning rate")
+    num_epochs: int = Field(_TRAIN.num_epochs, description="passes over the batch")
+    minibatch_size: int = Field(_TRAIN.minibatch_size, description="completions per optimizer step")
+    max_grad_norm: float = Field(_TRAIN.max_grad_norm, description="gradient clipping norm")
+    eps_low: float = Field(_TRAIN.loss.eps_low, description="clip range below 1")
+    eps_high: float = Field(_TRAIN.loss.eps_high, description="clip range above 1")
+    beta: float = Field(_TRAIN.loss.beta, description="k3 KL weight to the reference (0: no reference pass)")
+    loss_type: str = Field(_TRAIN.loss.loss_type, description="token aggregation: grpo | bnpo | dapo | dr_grpo")
     checkpoint_every: int = Field(4, description="steps between checkpoints")
     negate_advantages: bool = Field(False, description="train AGAINST the advantages (tests the gate)")
     seed: int = Field(0, description="minibatch order and RNG seed")
@@ -328,7 +335,7 @@ def policy_checkpoint(
 class EvaluationConfig(Config):
     """Held-out evaluation and the promotion gate's thresholds."""
 
-    max_tasks: int = Field(200, description="held-out tasks evaluated (the first N, fixed order)")
+    max_tasks: int = Field(500, description="held-out tasks evaluated (the first N, fixed order)")
     seed: int = Field(1234, description="sampling seed, the same for both policies")
     metric: str = Field("sampled", description="gate on 'sampled' (T=1) or 'greedy' success")
     min_gain: float = Field(0.0, description="least success-rate gain (0 = not worse)")

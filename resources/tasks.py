@@ -38,7 +38,7 @@ class TaskSourceResource(ConfigurableResource):
     dataset_config: dict[str, Any] = Field(
         default_factory=lambda: {"min_word_len": 3, "max_word_len": 5}, description="reasoning-gym config"
     )
-    size: int = Field(2000, description="tasks generated (before de-duplication)")
+    size: int = Field(4000, description="tasks generated (before de-duplication)")
     seed: int = Field(0, description="dataset seed")
     path: str | None = Field(None, description="JSONL task file for kind='jsonl'")
     verifier: str = Field("exact", description="verifier for kind='jsonl'")
