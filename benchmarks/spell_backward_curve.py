@@ -6,16 +6,31 @@ No Dagster: this is the ML core of the flowopt demo, measured on its own.
    ``from_pretrained``.
 2. SFT-warm-start on demonstrations of the train split (deliberately moderate: the base should
    solve roughly a third to a half of held-out words when sampling at temperature 1).
-3. K GRPO rounds. Each: take the next B train tasks, sample G=8 rollouts per task at temperature 1
+3. K GRPO rounds. Each: take the next B train tasks (starting after the SFT demonstrations, cycling
+   through the train split), sample G=8 rollouts per task at temperature 1
    with behaviour log-probs, reward = the dataset's verifier (``score_answer``: 1.0 exact, partial
    credit for matching leading letters), group-normalised advantages ``(r - mean_g) / (std_g + 1e-4)``
    (population std of the task's 8 rewards), then one training round of a LoRA adapter that
    continues from the previous round's saved adapter (base + adapter loaded from disk each round).
 4. After SFT and after every round: held-out success (exact answer) with greedy decoding (1 per task)
    and with sampling at temperature 1 (``--eval-samples`` per task, averaged), on a fixed held-out
-   set (the first ``--eval-tasks`` held-out tasks; the same for every seed and round).
+   set (``--eval-tasks`` held-out tasks from ``--eval-offset``; the same for every seed and round).
+   The default configuration was chosen by looking at seeds 0-2 on held-out tasks 0-199; seeds 3-4 on
+   held-out tasks 200-399 (``--eval-offset 200``) are the untouched confirmation.
 
 Prints one line per round and writes ``benchmarks/results/spell_backward_curve-seed<seed>.json``.
+
+Measured with the defaults (2-core CPU, 2 threads, quiet machine; held-out success at temperature 1,
+SFT base -> after 20 rounds; greedy in brackets; total seconds for SFT + 20 rounds + 21 evaluations):
+
+    seed 0 (held-out 0-199):    0.526 -> 0.766  (+24.0)   [0.615 -> 0.830]   47 s
+    seed 1 (held-out 0-199):    0.305 -> 0.566  (+26.1)   [0.425 -> 0.630]   56 s
+    seed 2 (held-out 0-199):    0.495 -> 0.784  (+28.9)   [0.600 -> 0.850]   49 s
+    seed 3 (held-out 200-399):  0.517 -> 0.807  (+29.0)   [0.660 -> 0.865]   48 s
+    seed 4 (held-out 200-399):  0.345 -> 0.556  (+21.1)   [0.450 -> 0.665]   51 s
+
+Another torch process on the same 2 cores (thread oversubscription) slowed rounds ~25x; run one
+trainer at a time.
 
     .venv/bin/python benchmarks/spell_backward_curve.py --seed 0
 """
@@ -51,19 +66,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dataset-size", type=int, default=4000, help="reasoning-gym entries generated")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--sft-demos", type=int, default=1000)
-    p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--tasks-per-round", type=int, default=64, help="B: train tasks per round")
+    p.add_argument("--tasks-per-round", type=int, default=512, help="B: train tasks per round")
     p.add_argument("--group", type=int, default=8, help="G: rollouts per task")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
-    p.add_argument("--lr", type=float, default=2e-3, help="GRPO learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
     p.add_argument("--epochs", type=int, default=1, help="passes over a round's samples")
-    p.add_argument("--minibatch", type=int, default=64)
+    p.add_argument("--minibatch", type=int, default=256)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--eval-tasks", type=int, default=200)
+    p.add_argument(
+        "--eval-offset", type=int, default=0,
+        help="evaluate on held-out tasks [offset, offset + eval-tasks) (200 gives tasks not used to pick the config)",
+    )
     p.add_argument("--eval-samples", type=int, default=4, help="temperature-1 samples per held-out task")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/...)")
@@ -103,13 +124,19 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     train = source.tasks("train")
     train = [train[i] for i in rng.permutation(len(train))]
-    held_out = source.tasks("held_out")[: args.eval_tasks]
+    held_out = source.tasks("held_out")[args.eval_offset : args.eval_offset + args.eval_tasks]
     demos = train[: args.sft_demos]
     print(f"tasks: train {len(train)}, held-out eval {len(held_out)}, SFT demos {len(demos)}", flush=True)
 
-    work = Path(tempfile.mkdtemp(prefix="spell_backward_"))
+    with tempfile.TemporaryDirectory(prefix="spell_backward_") as tmp:
+        run(args, Path(tmp), source, train, held_out, demos, t_start)
+
+
+def run(args, work: Path, source, train: list[Task], held_out: list[Task], demos: list[Task], t_start: float) -> None:
+    """SFT, then ``args.rounds`` GRPO rounds, evaluating after each; ``work`` holds models and checkpoints."""
     model_cfg = TinyModelConfig(
-        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers, seed=args.seed
+        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, seed=args.seed,
     )
     save_tiny_policy(work / "init", model_cfg)
     model, tokenizer = load_policy(work / "init")
@@ -120,7 +147,7 @@ def main() -> None:
         model,
         tokenizer,
         [(t.prompt, t.demonstration) for t in demos],
-        SFTConfig(steps=args.sft_steps, learning_rate=args.sft_lr, seed=args.seed),
+        SFTConfig(steps=args.sft_steps, learning_rate=args.sft_lr, batch_size=args.sft_batch, seed=args.seed),
     )
     model.save_pretrained(str(work / "sft"))
     tokenizer.save_pretrained(str(work / "sft"))
@@ -144,7 +171,7 @@ def main() -> None:
 
     lora_cfg = LoraAdapterConfig(rank=args.lora_rank, alpha=args.lora_alpha)
     adapter_dir: Path | None = None
-    cursor = 0
+    cursor = len(demos)  # GRPO first visits the train tasks the SFT did not see, then cycles
     for k in range(1, args.rounds + 1):
         base, _ = load_policy(work / "sft")
         policy = add_lora_adapter(base, lora_cfg) if adapter_dir is None else load_lora_adapter(base, adapter_dir)

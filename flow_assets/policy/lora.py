@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
@@ -40,12 +41,15 @@ class LoraAdapterConfig:
         dropout: dropout on the adapter input; 0 keeps training deterministic and the importance
             ratio exactly 1 at the behaviour parameters.
         target_modules: names of the linear layers that get an adapter (all Llama projections).
+        seed: seeds the random initialisation of ``A`` (``B`` is zero), so the same base + config
+            gives the same adapter; the caller's global torch RNG state is left untouched.
     """
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = field(default=LLAMA_PROJECTIONS)
+    seed: int = 0
 
 
 def add_lora_adapter(model: PreTrainedModel, config: LoraAdapterConfig | None = None) -> PeftModel:
@@ -64,7 +68,9 @@ def add_lora_adapter(model: PreTrainedModel, config: LoraAdapterConfig | None = 
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return get_peft_model(model, peft_config)
 
 
 def load_lora_adapter(
