@@ -244,7 +244,12 @@ class TrainConfig(Config):
 
 
 def _kl_to_behaviour(model, samples, pad_id: int) -> float:
-    """Mean k3 KL (nats/token) of the trained policy from the behaviour policy on the batch."""
+    """Mean KL(behaviour || trained policy), nats per token, on the batch's own completions.
+
+    The completions were sampled from the behaviour policy, so the k3 estimator
+    ``(r - 1) - log r`` with ``r = pi_new / pi_old`` (Schulman 2020) is unbiased and
+    non-negative for KL(pi_old || pi_new); ``k3_kl(a, b)`` computes it for ``d = b - a``.
+    """
     with_lp = [s for s in samples if s.behaviour_logprobs and s.completion_ids]
     if not with_lp:
         return 0.0
@@ -253,7 +258,7 @@ def _kl_to_behaviour(model, samples, pad_id: int) -> float:
     old = torch.zeros_like(logp)
     for i, s in enumerate(with_lp):
         old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
-    return float((k3_kl(logp, old) * mask).sum() / mask.sum())
+    return float((k3_kl(old, logp) * mask).sum() / mask.sum())
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages], pool=POOL)
