@@ -21,6 +21,7 @@ def _ingest(args: argparse.Namespace) -> int:
     landing, lake_root = Path(args.landing), Path(args.lake)
     instance = local_instance(args.home)
     keys_by_file: dict[str, str] = {}
+    formats: dict[str, str] = {}
     for name in args.paths:
         src = Path(name)
         if not src.is_file():
@@ -33,9 +34,10 @@ def _ingest(args: argparse.Namespace) -> int:
         shutil.copyfile(src, tmp)
         tmp.rename(dest)  # the landing convention: never expose a half-written file
         rel = dest.relative_to(landing).as_posix()
+        if args.format != "auto":
+            formats[rel] = args.format
         stat = dest.stat()
         keys_by_file[str(src)] = batch_key(LandedFile(dest, rel, source, stat.st_size, stat.st_mtime_ns), sha256_file(dest))
-    formats = {f"{args.source or Path(p).resolve().parent.name}/{Path(p).name}": args.format for p in args.paths} if args.format != "auto" else {}
     defs = build_definitions(str(lake_root), str(landing), formats)
     tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
     summary = {r["batch"]: r for r in batch_summary(TrajectoryLake(root=str(lake_root))).to_dicts()}

@@ -25,6 +25,13 @@ from t left join r using (batch) left join g using (batch) left join q using (ba
 """
 
 
+_SUMMARY_SCHEMA = {
+    "batch": pl.String, "source": pl.String, "file": pl.String, "trajectories": pl.Int64, "groups": pl.Int64,
+    "groups_nonzero_advantage": pl.Int64, "groups_mixed_outcome": pl.Int64, "steps": pl.Int64,
+    "quarantined": pl.Int64, "mean_reward": pl.Float64, "mean_outcome": pl.Float64,
+}
+
+
 def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.DataFrame:
     """One row per materialised batch: ``batch, source, file, trajectories, groups,
     groups_nonzero_advantage, groups_mixed_outcome, steps, quarantined, mean_reward,
@@ -33,6 +40,8 @@ def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.Dat
     ``groups_nonzero_advantage`` counts groups whose total reward varies (shaped terms included);
     ``groups_mixed_outcome`` those whose logged outcome varies.
     """
+    if not all(lake.batches(t) for t in ("trajectories", "rewards", "advantages", "quarantine")):
+        return pl.DataFrame(schema=_SUMMARY_SCHEMA)  # nothing materialised end to end yet
     frame = lake.duckdb().sql(_PER_BATCH).pl()
     manifests = pl.DataFrame(
         [{"batch": m.key, "source": m.source, "file": m.file_name} for m in lake.registered_batches()],

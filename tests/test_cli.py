@@ -64,3 +64,11 @@ def test_ingest_of_an_unreadable_file_fails_with_its_name(tmp_path):
     files = {Path(f["file"]).name: f for f in json.loads(out)["files"]}
     assert "cut.json" in files["cut.json"]["error"]
     assert files[TAU_BENCH.name]["trajectories"] == 200
+
+
+def test_wrong_explicit_format_fails_that_file_with_a_clear_error(tmp_path):
+    rc, out, _ = _ingest(tmp_path, TAU_BENCH, extra=("--format", "fireact"))
+    assert rc == 1
+    (row,) = json.loads(out)["files"]
+    assert "expected a JSON object keyed by question id" in row["error"]
+    assert TAU_BENCH.name in row["error"]
