@@ -287,6 +287,11 @@ def policy_checkpoint(
     model, tokenizer = policy.load(champ["adapter_path"], trainable=True)
     run_dir = _round_dir(policy, key)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # checkpoints of an interrupted run are resumed only if they grew from the same champion
+    parent_file = run_dir / "parent_version"
+    if parent_file.exists() and parent_file.read_text() != champ["version"]:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    parent_file.write_text(champ["version"])
     trainer_cfg = config.trainer_config(run_dir / "checkpoints")
     result = train_grpo_round(model, samples, trainer_cfg, resume=True)
     candidate = save_lora_adapter(model, run_dir / "adapter")
