@@ -4,7 +4,7 @@
 import json
 from pathlib import Path
 
-from dagster import RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.jobs import log_batch_job
 from flow_assets.partitions import log_batches
@@ -18,7 +18,7 @@ def _load_cursor(raw: str | None) -> dict[str, list]:
     return json.loads(raw) if raw else {}
 
 
-@sensor(job=log_batch_job, minimum_interval_seconds=30)
+@sensor(job=log_batch_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
 def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, landing: LogLanding):
     """Registers every new or rewritten file in the landing directory as a log batch.
 

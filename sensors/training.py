@@ -9,14 +9,14 @@ a time (pool ``training``), so each starts from the champion the previous round 
 import json
 
 import polars as pl
-from dagster import AssetKey, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.jobs import training_round_job
 from resources.lake import TrajectoryLake
 from resources.tasks import TaskSourceResource
 
 
-@sensor(job=training_round_job, minimum_interval_seconds=30)
+@sensor(job=training_round_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
 def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource):
     """Requests ``training_round_job`` once per new batch of trainable rollouts (cursor: the
     batches already decided, trainable or not)."""
