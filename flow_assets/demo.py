@@ -16,7 +16,10 @@ import polars as pl
 
 from flow_assets.definitions import build_definitions
 from flow_assets.local import REPO_ROOT, execute_requests, local_instance, tick_sensor
+from flow_assets.policy.evaluate import evaluate_policy
+from flow_assets.rl.evaluation import compare_policies
 from flow_assets.summary import batch_summary, source_summary
+from flow_assets.training import EvaluationConfig
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 
@@ -145,6 +148,29 @@ def save_cursor(instance, cursor: str | None) -> None:
         instance.run_storage.set_cursor_values({"flowopt/training_round_sensor": cursor})
 
 
+def untouched_held_out_check(defs, models_root: Path, gated_tasks: int) -> dict:
+    """The SFT base (v0) vs the final champion on the held-out tasks that no gate has seen.
+
+    Every round's gate evaluates on the first ``gated_tasks`` held-out tasks, so the gain measured
+    there is also the set that selected the promotions; the rest of the held-out split gives an
+    unbiased check. Returns :func:`compare_policies`' report (candidate = final champion).
+    """
+    policy, tasks = defs.resources["policy"], defs.resources["tasks"]
+    source = tasks.source()
+    fresh = source.tasks("held_out")[gated_tasks:]
+    registry = AdapterRegistry(root=str(models_root))
+    frames = []
+    for name, adapter in (("champion", str(policy.adapter_dir("v0"))), ("candidate", registry.champion()["adapter_path"])):
+        loaded = policy.load(adapter)
+        frames.append(
+            evaluate_policy(
+                lambda prompts, cfg, loaded=loaded, adapter=adapter: policy.sample(prompts, cfg, adapter, loaded),
+                fresh, source, name, policy.max_new_tokens,
+            )
+        )
+    return compare_policies(pl.concat(frames))
+
+
 def run_demo(
     home: Path = REPO_ROOT / ".dagster_home",
     lake_root: Path = REPO_ROOT / ".lake",
@@ -211,11 +237,28 @@ def run_demo(
     base_greedy = lines[0]["base_greedy_success"]
     final = lines[-1]
     gain = final["sampled_success"] - base_sampled
+    check = untouched_held_out_check(defs, models_root, EvaluationConfig().max_tasks)
+    fresh = {
+        mode: {
+            "n_tasks": check[mode]["n_tasks"],
+            "base": check[mode]["champion"]["success_rate"],
+            "final": check[mode]["candidate"]["success_rate"],
+            "gain": check[mode]["gain"],
+            "mcnemar_p": check[mode]["mcnemar"]["p_value"],
+        }
+        for mode in check
+    }
     seconds = time.perf_counter() - started
     print(
         f"\nSFT base held-out success: greedy {base_greedy:.3f}, sampled {base_sampled:.3f}; "
         f"final champion {final['champion']}: greedy {final['greedy_success']:.3f}, sampled {final['sampled_success']:.3f} "
         f"(gain {gain:+.3f} sampled, {final['greedy_success'] - base_greedy:+.3f} greedy); total {seconds:.0f} s"
+    )
+    unseen = fresh["sampled"]
+    print(
+        f"on {unseen['n_tasks']} held-out tasks no gate saw: sampled {unseen['base']['rate']:.3f} -> "
+        f"{unseen['final']['rate']:.3f} (gain {unseen['gain']:+.3f}, McNemar p={unseen['mcnemar_p']:.2g}); greedy {fresh['greedy']['base']['rate']:.3f} -> "
+        f"{fresh['greedy']['final']['rate']:.3f}"
     )
     content = {
         "data_plane": {
@@ -231,6 +274,7 @@ def run_demo(
             "final_champion": final["champion"],
             "gain_sampled": gain,
             "gain_greedy": final["greedy_success"] - base_greedy,
+            "untouched_held_out": fresh,
         },
         "seconds": round(seconds, 2),
         "dagster_home": str(home),
