@@ -50,16 +50,16 @@ def round_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, th
     set_torch_threads(threads)
     quiet_libraries()
     from flow_assets.definitions import build_definitions
-    from flow_assets.demo import QUIET, run_round
-    from flow_assets.local import local_instance
+    from flow_assets.demo import run_round
+    from flow_assets.local import local_instance, run_job
 
     root = Path(work)
     models = root / "models"
     instance = local_instance(root / "dagster_home")
     defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(models))
     started = time.perf_counter()
-    base = defs.resolve_job_def("base_policy_job").execute_in_process(
-        instance=instance, run_config={**QUIET, "ops": {"base_policy": {"config": {"sft_steps": sft_steps}}}}, raise_on_error=False
+    base = run_job(
+        defs, instance, "base_policy_job", run_config={"ops": {"base_policy": {"config": {"sft_steps": sft_steps}}}}
     )
     if not base.success:
         raise RuntimeError("base_policy_job failed")

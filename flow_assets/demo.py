@@ -15,7 +15,7 @@ from pathlib import Path
 import polars as pl
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import REPO_ROOT, execute_requests, local_instance, tick_sensor
+from flow_assets.local import REPO_ROOT, execute_requests, local_instance, run_job, tick_sensor
 from flow_assets.policy.evaluate import evaluate_policy
 from flow_assets.rl.evaluation import compare_policies
 from flow_assets.summary import batch_summary, source_summary
@@ -25,9 +25,6 @@ from resources.registry import AdapterRegistry
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 _INSTANCE_STORAGE = ("storage", "history", "schedules", "logs", ".logs_queue", ".telemetry")
-# console stays quiet: a gate that blocks a round is reported on the round's line, and every
-# event (with stack traces) is in the instance, visible in the UI
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def land_shared_data(data_dir: Path, landing: Path) -> list[Path]:
@@ -68,13 +65,6 @@ def _print_table(frame: pl.DataFrame) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
-def _run(defs, instance, job_name: str, partition_key: str | None = None, run_config: dict | None = None):
-    result = defs.resolve_job_def(job_name).execute_in_process(
-        instance=instance, partition_key=partition_key, run_config={**QUIET, **(run_config or {})}, raise_on_error=False
-    )
-    return result
-
-
 def run_round(defs, instance, models_root: Path, round_index: int, collect_config: dict) -> dict:
     """One training round as Dagster runs: collect -> (sensor) data plane -> (sensor) training.
 
@@ -83,7 +73,7 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     overhead (everything else: run bookkeeping, sensor ticks, model loading, lake I/O).
     """
     started = time.perf_counter()
-    collected = _run(defs, instance, "collect_rollouts_job", run_config={"ops": {"collect_rollouts": {"config": collect_config}}})
+    collected = run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"collect_rollouts": {"config": collect_config}}})
     if not collected.success:
         raise RuntimeError(f"round {round_index}: collection failed")
     collect_meta = collected.output_for_node("collect_rollouts")
@@ -95,7 +85,7 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     save_cursor(instance, train_tick.cursor)
     if [r.partition_key for r in train_tick.run_requests] != [key]:
         raise RuntimeError(f"round {round_index}: training sensor did not request batch {key}")
-    _run(defs, instance, "training_round_job", partition_key=key)
+    run_job(defs, instance, "training_round_job", partition_key=key)
     run_dir = models_root / "runs" / key
     summary = json.loads((run_dir / "round.json").read_text())
     evaluation = json.loads((run_dir / "evaluation.json").read_text())
@@ -213,7 +203,7 @@ def run_demo(
 
     print("\nbase policy: tiny Llama-style model, SFT warm start ...", flush=True)
     t0 = time.perf_counter()
-    if not _run(defs, instance, "base_policy_job").success:
+    if not run_job(defs, instance, "base_policy_job").success:
         raise RuntimeError("base_policy failed")
     base_seconds = time.perf_counter() - t0
     print(f"base policy ready in {base_seconds:.1f} s\n")

@@ -76,6 +76,27 @@ def tick_sensor(defs: Definitions, instance: DagsterInstance, sensor_name: str, 
     return outcome
 
 
+def run_job(
+    defs: Definitions,
+    instance: DagsterInstance,
+    job_name: str,
+    partition_key: str | None = None,
+    run_config: dict | None = None,
+    log_level: str = "CRITICAL",
+    tags: dict | None = None,
+):
+    """Execute ``job_name`` once, in process, as a run recorded on ``instance``.
+
+    ``log_level`` applies to the console only (the instance keeps every event, stack traces
+    included, for the UI). Returns the ``ExecuteInProcessResult``; failures do not raise.
+    """
+    config = dict(run_config or {})
+    config.setdefault("loggers", {"console": {"config": {"log_level": log_level}}})
+    return defs.resolve_job_def(job_name).execute_in_process(
+        instance=instance, partition_key=partition_key, run_config=config, tags=tags, raise_on_error=False
+    )
+
+
 def execute_requests(
     defs: Definitions,
     instance: DagsterInstance,
@@ -90,16 +111,9 @@ def execute_requests(
     and does not stop the other partitions. ``log_level`` applies to the console only; the full
     event log is stored in the instance either way.
     """
-    job = defs.resolve_job_def(job_name)
     for request in outcome.run_requests:
-        config = dict(run_config or request.run_config or {})
-        config.setdefault("loggers", {"console": {"config": {"log_level": log_level}}})
-        result = job.execute_in_process(
-            instance=instance,
-            partition_key=request.partition_key,
-            run_config=config,
-            tags=request.tags,
-            raise_on_error=False,
+        result = run_job(
+            defs, instance, job_name, request.partition_key, run_config or request.run_config, log_level, request.tags
         )
         if result.success:
             outcome.succeeded.append(request.partition_key)

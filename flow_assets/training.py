@@ -10,6 +10,7 @@ Files of one round live in ``<models_root>/runs/<batch key>/``: ``checkpoints/``
 candidate), ``round.json`` (training summary) and ``evaluation.json`` (report + gate).
 """
 
+import dataclasses
 import json
 import math
 import shutil
@@ -282,7 +283,7 @@ def policy_checkpoint(
     if not samples:
         raise Failure(f"batch {key} has no rollouts of the trainable policy {tasks.agent_id!r}")
     if config.negate_advantages:
-        samples = [type(s)(s.prompt_ids, s.completion_ids, -s.advantage, s.behaviour_logprobs, s.task_id) for s in samples]
+        samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
     champ = _champion(registry)
     model, tokenizer = policy.load(champ["adapter_path"], trainable=True)
     run_dir = _round_dir(policy, key)

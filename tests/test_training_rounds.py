@@ -13,8 +13,7 @@ import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
 
 from flow_assets.definitions import build_definitions
-from flow_assets.demo import QUIET
-from flow_assets.local import execute_requests, tick_sensor
+from flow_assets.local import execute_requests, run_job, tick_sensor
 from resources.registry import AdapterRegistry
 from tests.conftest import TAU_BENCH
 
@@ -36,9 +35,7 @@ class World:
         self.cursor = None
 
     def run(self, job: str, partition_key: str | None = None, run_config: dict | None = None):
-        return self.defs.resolve_job_def(job).execute_in_process(
-            instance=self.instance, partition_key=partition_key, run_config={**QUIET, **(run_config or {})}, raise_on_error=False
-        )
+        return run_job(self.defs, self.instance, job, partition_key, run_config)
 
     def land_and_process(self) -> list[str]:
         tick = execute_requests(self.defs, self.instance, "log_batch_job", tick_sensor(self.defs, self.instance, "new_logs_sensor"))
