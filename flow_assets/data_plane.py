@@ -3,6 +3,11 @@
 Each asset reads its input partition from the lake, calls the pure functions of
 ``flow_assets.logs`` / ``flow_assets.rl``, writes its partition atomically and returns the metadata
 a person wants in the UI.
+
+Memory is bounded whatever the size of a batch: records and steps stream through in chunks
+(:data:`~flow_assets.logs.tables.CHUNK_RECORDS` records / ~64 MiB), and the per-step tables are
+read and written by polars' streaming engine. What grows with a batch is one small row per
+trajectory (ids seen, rewards, advantages), not its steps or their text.
 """
 
 
@@ -19,12 +24,17 @@ from dagster import (
 )
 from pydantic import Field
 
-from flow_assets.logs.reader import parse_file
+from flow_assets.logs.reader import stream_file
 from flow_assets.logs.schema import Trajectory
+from flow_assets.logs import tables
 from flow_assets.logs.tables import (
+    INTERACTION_LOGS_SCHEMA,
+    QUARANTINE_SCHEMA,
+    STEPS_SCHEMA,
+    TRAJECTORIES_SCHEMA,
+    chunk_records,
     interaction_logs_frame,
     quarantine_frame,
-    split_duplicates,
     trajectory_tables,
 )
 from flow_assets.metadata import histogram_markdown, preview_table
@@ -48,29 +58,40 @@ def interaction_logs(context: AssetExecutionContext, lake: TrajectoryLake) -> Ma
     with file, line, field and reason. Fails (this partition only) if the file is unreadable."""
     key = context.partition_key
     manifest = lake.batch_manifest(key)
-    result = parse_file(lake.batch_snapshot(key), manifest.fmt)
-    valid, quarantined = split_duplicates(result)
-    lake.write_partition("interaction_logs", key, interaction_logs_frame(valid, result.format))
-    quarantine = quarantine_frame(quarantined)
-    lake.write_partition("quarantine", key, quarantine)
-    conserved = len(valid) + len(quarantined) == result.records_read
+    stream = stream_file(lake.batch_snapshot(key), manifest.fmt)
+    n_valid = n_quarantined = 0
+    quarantine_head = quarantine_frame([])
+    with (
+        lake.partition_writer("interaction_logs", key, INTERACTION_LOGS_SCHEMA) as logs_out,
+        lake.partition_writer("quarantine", key, QUARANTINE_SCHEMA) as quarantine_out,
+    ):
+        for chunk in chunk_records(stream, tables.CHUNK_RECORDS, tables.CHUNK_BYTES):
+            logs_out.write(interaction_logs_frame(chunk.valid, stream.format, n_valid))
+            quarantined = quarantine_frame(chunk.quarantined)
+            quarantine_out.write(quarantined)
+            if quarantine_head.height < 5:
+                quarantine_head = pl.concat([quarantine_head, quarantined.head(5)]).head(5)
+            n_valid += len(chunk.valid)
+            n_quarantined += len(chunk.quarantined)
+    records_read = stream.records_read
+    conserved = n_valid + n_quarantined == records_read
     return MaterializeResult(
         metadata={
             "file": manifest.original_path,
             "source": manifest.source,
-            "format": result.format,
+            "format": stream.format,
             "sha256": manifest.sha256,
-            "records_read": result.records_read,
-            "valid": len(valid),
-            "quarantined": len(quarantined),
-            "quarantine_preview": preview_table(quarantine.drop("raw")),
+            "records_read": records_read,
+            "valid": n_valid,
+            "quarantined": n_quarantined,
+            "quarantine_preview": preview_table(quarantine_head.drop("raw")),
         },
         check_results=[
             AssetCheckResult(
                 check_name="records_conserved",
                 passed=conserved,
                 severity=AssetCheckSeverity.ERROR,
-                metadata={"records_read": result.records_read, "valid + quarantined": len(valid) + len(quarantined)},
+                metadata={"records_read": records_read, "valid + quarantined": n_valid + n_quarantined},
             )
         ],
     )
@@ -80,20 +101,32 @@ def interaction_logs(context: AssetExecutionContext, lake: TrajectoryLake) -> Ma
 def trajectories(context: AssetExecutionContext, lake: TrajectoryLake) -> MaterializeResult:
     """Canonical tables ``trajectories`` (one row per trajectory) and ``steps`` (one per step)."""
     key = context.partition_key
-    logs = lake.read_partition("interaction_logs", key)
-    traj, steps = trajectory_tables(logs["record_json"], lake.batch_manifest(key).source)
-    lake.write_partition("trajectories", key, traj)
-    lake.write_partition("steps", key, steps)
-    kinds = steps.group_by("kind").len().sort("kind")
+    source = lake.batch_manifest(key).source
+    with (
+        lake.partition_writer("trajectories", key, TRAJECTORIES_SCHEMA) as traj_out,
+        lake.partition_writer("steps", key, STEPS_SCHEMA) as steps_out,
+    ):
+        for chunk in lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"]):
+            traj, steps = trajectory_tables(chunk["record_json"], source)
+            traj_out.write(traj)
+            steps_out.write(steps)
+    traj = lake.scan_partition("trajectories", key)
+    facts = traj.select(
+        trajectories=pl.len(),
+        tasks=pl.col("task_id").n_unique(),
+        agents=pl.col("agent_id").n_unique(),
+        success_rate=pl.col("outcome_success").cast(pl.Float64).mean(),
+    ).collect(engine="streaming").row(0, named=True)
+    kinds = lake.scan_partition("steps", key).group_by("kind").len().sort("kind").collect(engine="streaming")
     return MaterializeResult(
         metadata={
-            "trajectories": traj.height,
-            "steps": steps.height,
-            "tasks": traj["task_id"].n_unique(),
-            "agents": traj["agent_id"].n_unique(),
+            "trajectories": facts["trajectories"],
+            "steps": int(kinds["len"].sum()),
+            "tasks": facts["tasks"],
+            "agents": facts["agents"],
             "steps_by_kind": {k: int(n) for k, n in kinds.iter_rows()},
-            "success_rate": MetadataValue.float(float(traj["outcome_success"].mean() or 0.0)),
-            "preview": preview_table(traj.drop("metadata")),
+            "success_rate": MetadataValue.float(float(facts["success_rate"] or 0.0)),
+            "preview": preview_table(traj.head(5).collect().drop("metadata")),
         }
     )
 
@@ -127,12 +160,12 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     and their total ``reward``."""
     key = context.partition_key
     cfg = config.to_reward_config()
-    traj = lake.read_partition("trajectories", key)
     custom = None
     if cfg.custom:
-        records = lake.read_partition("interaction_logs", key)["record_json"]
-        custom = custom_rewards((Trajectory.model_validate_json(r) for r in records), cfg)
-    table = reward_table(traj, lake.read_partition("steps", key), cfg, custom).with_columns(
+        chunks = lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"])
+        custom = custom_rewards((Trajectory.model_validate_json(r) for c in chunks for r in c["record_json"]), cfg)
+    steps = lake.scan_partition("steps", key)
+    table = reward_table(lake.scan_partition("trajectories", key), steps, cfg, custom).with_columns(
         source=pl.lit(lake.batch_manifest(key).source)
     )
     lake.write_partition("rewards", key, table)
@@ -190,12 +223,18 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     scored = group_advantages(pool.with_columns(group_key=pl.col("task_id")), adv_cfg)
     table = scored.filter(pl.col("batch") == key).drop("batch")
     lake.write_partition("advantages", key, table)
-    steps = step_advantages(lake.read_partition("steps", key), table, credit_cfg)
-    lake.write_partition("step_advantages", key, steps)
+    steps = step_advantages(lake.scan_partition("steps", key), table.lazy(), credit_cfg)
+    lake.sink_partition("step_advantages", key, steps)
     groups = table.group_by("group_key").agg(pl.col("zero_variance").first())
     n_groups = groups.height
     n_zero = int(groups["zero_variance"].sum())
-    finite = bool(table["advantage"].is_finite().all()) and bool(steps["advantage"].drop_nulls().is_finite().all())
+    steps_finite = (
+        lake.scan_partition("step_advantages", key)
+        .select(pl.col("advantage").drop_nulls().is_finite().all())
+        .collect(engine="streaming")
+        .item()
+    )
+    finite = bool(table["advantage"].is_finite().all()) and bool(steps_finite)
     return MaterializeResult(
         metadata={
             "trajectories": table.height,

@@ -9,6 +9,10 @@ Layout under ``root``::
 A partition is replaced atomically: the new file is written beside the old one under a hidden
 temporary name and moved over it with ``os.replace`` (atomic on POSIX), so a reader sees the old
 or the new partition, never half of one, and concurrent runs on other partitions need no lock.
+
+Large partitions never need to fit in memory: :meth:`TrajectoryLake.partition_writer` appends
+row groups chunk by chunk, :meth:`TrajectoryLake.iter_partition` reads them back chunk by chunk,
+and :meth:`TrajectoryLake.sink_partition` streams a polars query straight into a partition.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import duckdb
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 from dagster import ConfigurableResource
 from pydantic import Field
 
@@ -37,6 +45,42 @@ class BatchManifest:
     sha256: str
     size_bytes: int
     fmt: str = "auto"
+
+
+class PartitionWriter:
+    """Appends polars frames of one fixed schema to a Parquet file as row groups (used through
+    :meth:`TrajectoryLake.partition_writer`, which owns the file's atomic replacement).
+
+    Attributes:
+        rows: rows written so far.
+    """
+
+    def __init__(self, path: Path, schema: Mapping[str, pl.DataType]):
+        self._schema = dict(schema)
+        self._arrow_schema = pl.DataFrame(schema=self._schema).to_arrow().schema
+        self._writer = pq.ParquetWriter(path, self._arrow_schema, compression="zstd", write_statistics=True)
+        self.rows = 0
+
+    def write(self, frame: pl.DataFrame) -> None:
+        """Append ``frame`` (cast to the schema, columns in schema order; extra columns dropped).
+
+        Raises:
+            polars.exceptions.ColumnNotFoundError: ``frame`` lacks a column of the schema.
+        """
+        if frame.height == 0:
+            return
+        ordered = frame.select([pl.col(name).cast(dtype) for name, dtype in self._schema.items()])
+        table = ordered.to_arrow()
+        if table.schema != self._arrow_schema:  # e.g. an all-null column, or a chunked view type
+            table = table.cast(self._arrow_schema)
+        self._writer.write_table(table)
+        self.rows += frame.height
+
+    def close(self) -> None:
+        """Finish the file (footer written); idempotent."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class TrajectoryLake(ConfigurableResource):
@@ -63,18 +107,86 @@ class TrajectoryLake(ConfigurableResource):
         Returns:
             The path of the written file.
         """
-        path = self.partition_path(table, batch)
-        path.parent.mkdir(parents=True, exist_ok=True)
         if "batch" in frame.columns:
             frame = frame.drop("batch")
+        with self._replacing(table, batch) as tmp:
+            frame.write_parquet(tmp, compression="zstd", statistics=True)
+        return self.partition_path(table, batch)
+
+    @contextmanager
+    def _replacing(self, table: str, batch: str) -> Iterator[Path]:
+        """A hidden temporary path beside ``table``'s partition ``batch``; moved over the
+        partition when the block ends normally, deleted when it raises."""
+        path = self.partition_path(table, batch)
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".data.", suffix=".parquet.tmp", dir=path.parent)
         os.close(fd)
         try:
-            frame.write_parquet(tmp, compression="zstd", statistics=True)
+            yield Path(tmp)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    @contextmanager
+    def partition_writer(
+        self, table: str, batch: str, schema: Mapping[str, pl.DataType]
+    ) -> Iterator[PartitionWriter]:
+        """Write ``table``'s partition ``batch`` chunk by chunk, in bounded memory.
+
+        Each ``writer.write(frame)`` appends ``frame`` (columns and types of ``schema``) as row
+        groups of one Parquet file; when the ``with`` block ends normally the file replaces the
+        partition atomically, and when it raises the partition is left as it was. A writer that
+        wrote nothing leaves an empty partition with ``schema``.
+
+        Raises:
+            polars.exceptions.ColumnNotFoundError / InvalidOperationError: a frame lacks a column
+                of ``schema`` or a value cannot be cast to its type.
+        """
+        with self._replacing(table, batch) as tmp:
+            writer = PartitionWriter(tmp, schema)
+            try:
+                yield writer
+            finally:
+                writer.close()
+
+    def sink_partition(self, table: str, batch: str, query: pl.LazyFrame) -> Path:
+        """Replace ``table``'s partition ``batch`` with the rows of a polars query, run by the
+        streaming engine straight into the file (row order kept), atomically.
+
+        Returns:
+            The path of the written file.
+        """
+        with self._replacing(table, batch) as tmp:
+            query.sink_parquet(tmp, compression="zstd", statistics=True, maintain_order=True, engine="streaming")
+        return self.partition_path(table, batch)
+
+    def scan_partition(self, table: str, batch: str) -> pl.LazyFrame:
+        """One table's rows for one batch as a lazy frame (only the columns and rows a query
+        uses are read).
+
+        Raises:
+            FileNotFoundError: the partition has not been materialised; the message names it.
+        """
+        return pl.scan_parquet(self._existing(table, batch))
+
+    def iter_partition(
+        self, table: str, batch: str, rows: int = 4096, columns: list[str] | None = None
+    ) -> Iterator[pl.DataFrame]:
+        """One table's rows for one batch, ``rows`` at a time (fewer in the last chunk), in
+        file order; ``columns`` picks columns (default all).
+
+        Raises:
+            FileNotFoundError: the partition has not been materialised; the message names it.
+        """
+        parquet = pq.ParquetFile(self._existing(table, batch))
+        for record_batch in parquet.iter_batches(batch_size=rows, columns=columns):
+            yield pl.from_arrow(record_batch)
+
+    def _existing(self, table: str, batch: str) -> Path:
+        path = self.partition_path(table, batch)
+        if not path.exists():
+            raise FileNotFoundError(f"lake table {table!r} has no partition {batch!r} ({path})")
         return path
 
     def read_partition(self, table: str, batch: str) -> pl.DataFrame:
@@ -83,10 +195,7 @@ class TrajectoryLake(ConfigurableResource):
         Raises:
             FileNotFoundError: the partition has not been materialised; the message names it.
         """
-        path = self.partition_path(table, batch)
-        if not path.exists():
-            raise FileNotFoundError(f"lake table {table!r} has no partition {batch!r} ({path})")
-        return pl.read_parquet(path)
+        return pl.read_parquet(self._existing(table, batch))
 
     def batches(self, table: str) -> list[str]:
         """Keys of the batches materialised for ``table``, sorted."""

@@ -64,6 +64,21 @@ def test_replicated_batch_keeps_real_records_with_new_ids(tmp_path):
     assert len(set(ids)) == len(ids)
 
 
+def test_a_size_the_disk_cannot_hold_is_named_not_attempted(tmp_path):
+    records = data_plane.real_records()
+    assert data_plane.disk_shortfall(records, 1_000, tmp_path) is None
+    reason = data_plane.disk_shortfall(records, 10**12, tmp_path)  # ~600 TB of JSON
+    assert reason is not None and "GiB of disk" in reason and str(tmp_path) in reason
+
+
+def test_floor_decodes_every_record_line(tmp_path):
+    out = data_plane.write_replicated(data_plane.real_records(), 5_000, tmp_path / "batch.jsonl")
+    with (tmp_path / "batch.jsonl").open("ab") as handle:
+        handle.write(b"\n  \n")  # blank lines are not records
+    for loads in data_plane.json_readers().values():
+        assert data_plane.decode_all(tmp_path / "batch.jsonl", loads) == out["trajectories"]
+
+
 def test_data_plane_quick_reports_every_size_and_the_floor_ratio():
     result = data_plane.run(quick=True)
     assert [s["steps"] >= target for s, target in zip(result["sizes"], data_plane.QUICK_SIZES)] == [True, True]
@@ -75,7 +90,7 @@ def test_data_plane_quick_reports_every_size_and_the_floor_ratio():
         assert size["peak_rss_mb"]["median"] > size["baseline_rss_mb"]["median"] > 0
         assert size["floor"]["reader"] in data_plane.json_readers()
     assert math.isfinite(result["scaling"]["loglog_exponent"])
-    assert set(result["scaling"]["projected_seconds"]) == {"1M_steps", "4M_steps", "16M_steps"}
+    assert result["skipped"] == [] and math.isfinite(result["scaling"]["peak_rss_exponent"])
     assert_headline(result)
 
 

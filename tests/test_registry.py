@@ -48,21 +48,33 @@ def test_failed_write_leaves_the_old_registry_and_no_temp_file(tmp_path, monkeyp
 
 
 WRITER = """
-import sys
+import pathlib, sys
 from resources.registry import AdapterRegistry
 reg = AdapterRegistry(root=sys.argv[1])
 i = len(reg.load()["history"]) - 1
 while True:
     i += 1
     reg.promote(f"v{i}", f"/a/v{i}", {"payload": "x" * 20000, "i": i}, by="writer", reason="stress")
+    pathlib.Path(sys.argv[2]).touch()  # writing has begun: the kill may come
 """
+
+
+def wait_for(path, timeout=60.0):
+    # the writer's imports take seconds on a loaded machine; the kill must land mid-writing
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"writer never started writing ({path})")
+        time.sleep(0.01)
 
 
 def test_registry_survives_sigkill_during_writes(tmp_path):
     reg = AdapterRegistry(root=str(tmp_path))
     reg.promote("v0", "/a/v0", {}, by="t", reason="seed")
-    for kill_after in (0.3, 0.55, 0.8):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    for n, kill_after in enumerate((0.0, 0.05, 0.25)):
+        started = tmp_path / f"started-{n}"
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(started)])
+        wait_for(started)
         time.sleep(kill_after)
         proc.send_signal(signal.SIGKILL)
         proc.wait()

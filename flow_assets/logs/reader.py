@@ -14,24 +14,25 @@ from typing import Any
 
 import orjson
 
-from flow_assets.logs.formats.canonical import parse_canonical
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, empty_result, load_document
-from flow_assets.logs.formats.fireact import parse_fireact
-from flow_assets.logs.formats.flat import parse_flat
-from flow_assets.logs.formats.openai_chat import parse_tau_bench
-from flow_assets.logs.formats.tau2 import parse_tau2
+from flow_assets.logs.formats.canonical import stream_canonical
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, empty_stream, load_document
+from flow_assets.logs.formats.fireact import stream_fireact
+from flow_assets.logs.formats.flat import stream_flat
+from flow_assets.logs.formats.openai_chat import stream_tau_bench
+from flow_assets.logs.formats.tau2 import stream_tau2
 from flow_assets.logs.records import ParseResult, UnreadableLogError
 
-Parser = Callable[..., ParseResult]
+Parser = Callable[..., RecordStream]
 
 FORMATS: dict[str, Parser] = {
-    "canonical": parse_canonical,
-    "flat": parse_flat,
-    "tau-bench": parse_tau_bench,
-    "tau2": parse_tau2,
-    "fireact": parse_fireact,
+    "canonical": stream_canonical,
+    "flat": stream_flat,
+    "tau-bench": stream_tau_bench,
+    "tau2": stream_tau2,
+    "fireact": stream_fireact,
 }
-"""Format name → parser ``(path, *, max_record_bytes) -> ParseResult``."""
+"""Format name → parser ``(path, *, max_record_bytes) -> RecordStream``. JSONL formats
+(canonical, flat) stream a record at a time; whole-file formats load their document first."""
 
 # How many non-blank lines detection inspects looking for a recognisable JSONL record, and how
 # many elements of a whole-file document it inspects for the expected keys: enough to step over
@@ -154,10 +155,38 @@ def detect_format(path: str | Path) -> str:
     return kind
 
 
+def stream_file(
+    path: str | Path, fmt: str = "auto", *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> RecordStream:
+    """The records of one log file as a stream (valid or quarantined, in file order), so a
+    batch of any size is read in bounded memory; see :func:`parse_file` for the rules.
+
+    ``fmt`` is a key of :data:`FORMATS` or ``"auto"`` (detect by content). An empty or
+    whitespace-only file yields one quarantined record (reason ``"empty file: no records"``,
+    ``records_read == 1``); its ``format`` is ``fmt``, or ``"unknown"`` when detecting.
+    ``max_record_bytes`` bounds one JSONL line (bytes); longer lines are quarantined unparsed.
+
+    Raises:
+        ValueError: ``fmt`` names no known format.
+        UnreadableLogError: the file cannot be read (JSONL: when iteration starts), its format
+            cannot be detected, or a whole-file JSON document is not valid JSON / not the named
+            format's shape.
+    """
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    path = Path(path)
+    if fmt == "auto":
+        if is_blank_file(path):
+            return empty_stream(path, "unknown")
+        fmt = detect_format(path)
+    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+
+
 def parse_file(
     path: str | Path, fmt: str = "auto", *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> ParseResult:
-    """Parse one log file into valid trajectories and quarantined records.
+    """Parse one log file into valid trajectories and quarantined records (held in memory;
+    :func:`stream_file` is the bounded-memory form).
 
     ``fmt`` is a key of :data:`FORMATS` or ``"auto"`` (detect by content). An empty or
     whitespace-only file yields one quarantined record (reason ``"empty file: no records"``,
@@ -169,11 +198,4 @@ def parse_file(
         UnreadableLogError: the file cannot be read, its format cannot be detected, or a
             whole-file JSON document is not valid JSON / not the named format's shape.
     """
-    if fmt != "auto" and fmt not in FORMATS:
-        raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(FORMATS)}")
-    path = Path(path)
-    if fmt == "auto":
-        if is_blank_file(path):
-            return empty_result(path, "unknown")
-        fmt = detect_format(path)
-    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+    return stream_file(path, fmt, max_record_bytes=max_record_bytes).collect()

@@ -6,12 +6,14 @@ so every table has a fixed schema whatever the agent logged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 import polars as pl
 
-from flow_assets.logs.records import ParseResult, QuarantinedRecord, ValidRecord
+from flow_assets.logs.records import QuarantinedRecord, ValidRecord
 
 INTERACTION_LOGS_SCHEMA = {
     "record": pl.UInt32,
@@ -62,53 +64,90 @@ STEPS_SCHEMA = {
 }
 
 
-def split_duplicates(result: ParseResult) -> tuple[list[ValidRecord], list[QuarantinedRecord]]:
-    """Valid records with unique ``trajectory_id`` and the quarantine, in file order.
+#: A chunk of a batch holds at most this many records ...
+CHUNK_RECORDS = 4096
+#: ... and at most about this many bytes of record JSON (valid) plus raw bytes (quarantined), so
+#: memory stays bounded whatever the size of the batch or of its records.
+CHUNK_BYTES = 64 * 2**20
 
-    A second record with an already-seen ``trajectory_id`` is quarantined (field
-    ``trajectory_id``) rather than dropped, so valid + quarantined still equals records read.
+
+class CanonicalRecord(NamedTuple):
+    """A valid record reduced to what ``interaction_logs`` stores: where it was, its ids and its
+    canonical JSON (the validated model itself is not kept)."""
+
+    file: str
+    line: int | None
+    pointer: str | None
+    trajectory_id: str
+    task_id: str
+    agent_id: str
+    record_json: str
+
+    @classmethod
+    def of(cls, record: ValidRecord) -> CanonicalRecord:
+        """The canonical form of a valid record (serialised with the schema's own writer)."""
+        t = record.trajectory
+        return cls(record.file, record.line, record.pointer, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json())
+
+
+@dataclass(frozen=True)
+class RecordChunk:
+    """Consecutive records of one batch, the valid and the quarantined ones, each in file order."""
+
+    valid: list[CanonicalRecord]
+    quarantined: list[QuarantinedRecord]
+
+
+def chunk_records(
+    records: Iterable[ValidRecord | QuarantinedRecord],
+    max_records: int = CHUNK_RECORDS,
+    max_bytes: int = CHUNK_BYTES,
+) -> Iterator[RecordChunk]:
+    """Group a record stream into chunks of at most ``max_records`` records and about
+    ``max_bytes`` bytes (a chunk closes once it reaches either), serialising each valid
+    trajectory to canonical JSON on arrival so the validated model can be freed at once.
+
+    Raises:
+        ValueError: ``max_records`` < 1 or ``max_bytes`` < 1.
     """
-    seen: dict[str, ValidRecord] = {}
-    valid: list[ValidRecord] = []
-    quarantined = list(result.quarantined)
-    for rec in result.valid:
-        tid = rec.trajectory.trajectory_id
-        if tid in seen:
-            first = seen[tid]
-            where = f"line {first.line}" if first.line is not None else f"record {first.pointer}"
-            quarantined.append(
-                QuarantinedRecord(
-                    file=rec.file,
-                    line=rec.line,
-                    pointer=rec.pointer,
-                    field="trajectory_id",
-                    reason=f"duplicate trajectory_id {tid!r} (first seen at {where})",
-                    raw=rec.trajectory.model_dump_json().encode(),
-                )
-            )
-            continue
-        seen[tid] = rec
-        valid.append(rec)
-    return valid, quarantined
+    if max_records < 1 or max_bytes < 1:
+        raise ValueError(f"chunk bounds must be >= 1, got {max_records} records, {max_bytes} bytes")
+    valid: list[CanonicalRecord] = []
+    quarantined: list[QuarantinedRecord] = []
+    size = 0
+    for record in records:
+        if isinstance(record, ValidRecord):
+            canonical = CanonicalRecord.of(record)
+            valid.append(canonical)
+            size += len(canonical.record_json)
+        else:
+            quarantined.append(record)
+            size += len(record.raw)
+        if len(valid) + len(quarantined) >= max_records or size >= max_bytes:
+            yield RecordChunk(valid, quarantined)
+            valid, quarantined, size = [], [], 0
+    if valid or quarantined:
+        yield RecordChunk(valid, quarantined)
 
 
-def interaction_logs_frame(valid: Iterable[ValidRecord], fmt: str) -> pl.DataFrame:
-    """One row per valid record: where it came from and its canonical JSON."""
-    rows = [
+def interaction_logs_frame(valid: Sequence[CanonicalRecord], fmt: str, first_record: int = 0) -> pl.DataFrame:
+    """One row per valid record: where it came from and its canonical JSON.
+
+    Args:
+        valid: valid records in file order (one chunk of a batch, or all of it).
+        fmt: the parser that read them.
+        first_record: ``record`` number of ``valid[0]`` (0-based position among the batch's
+            valid records), so chunks of one batch number their rows consecutively.
+    """
+    columns = dict(zip(CanonicalRecord._fields, zip(*valid))) if valid else {f: () for f in CanonicalRecord._fields}
+    return pl.DataFrame(
         {
-            "record": i,
-            "file": rec.file,
-            "line": rec.line,
-            "pointer": rec.pointer,
-            "format": fmt,
-            "trajectory_id": rec.trajectory.trajectory_id,
-            "task_id": rec.trajectory.task_id,
-            "agent_id": rec.trajectory.agent_id,
-            "record_json": rec.trajectory.model_dump_json(),
-        }
-        for i, rec in enumerate(valid)
-    ]
-    return pl.DataFrame(rows, schema=INTERACTION_LOGS_SCHEMA)
+            "record": range(first_record, first_record + len(valid)),
+            "format": [fmt] * len(valid),
+            **{name: list(values) for name, values in columns.items()},
+        },
+        schema=INTERACTION_LOGS_SCHEMA,
+    )
 
 
 def quarantine_frame(quarantined: Iterable[QuarantinedRecord]) -> pl.DataFrame:
@@ -144,45 +183,51 @@ def trajectory_tables(record_json: Iterable[str], source: str) -> tuple[pl.DataF
     Returns:
         ``(trajectories, steps)`` with :data:`TRAJECTORIES_SCHEMA` and :data:`STEPS_SCHEMA`.
     """
-    traj_rows: list[dict] = []
-    step_rows: list[dict] = []
+    # Column lists rather than row dicts, and bound ``append``s: a batch is built chunk by chunk
+    # at millions of steps, so the per-step cost is what counts.
+    traj: dict[str, list] = {name: [] for name in TRAJECTORIES_SCHEMA}
+    steps: dict[str, list] = {name: [] for name in STEPS_SCHEMA}
+    add_traj = [traj[name].append for name in TRAJECTORIES_SCHEMA]
+    (s_tid, s_index, s_kind, s_module, s_tool, s_input, s_output, s_status, s_conf, s_ms, s_tokens, s_logprobs) = (
+        steps[name].append for name in STEPS_SCHEMA
+    )
+    sort_keys = orjson.OPT_SORT_KEYS
     for text in record_json:
         t = orjson.loads(text)
         tid = t["trajectory_id"]
-        traj_rows.append(
-            {
-                "trajectory_id": tid,
-                "task_id": t["task_id"],
-                "agent_id": t["agent_id"],
-                "adapter_version": t.get("adapter_version"),
-                "source": source,
-                "query": t["query"],
-                "final_answer": t.get("final_answer"),
-                "outcome_success": t["outcome"].get("success"),
-                "outcome_score": t["outcome"].get("score"),
-                "n_steps": len(t["steps"]),
-                "timestamp": t.get("timestamp"),
-                "metadata": orjson.dumps(t.get("metadata") or {}, option=orjson.OPT_SORT_KEYS).decode(),
-            }
+        outcome = t["outcome"]
+        trajectory_steps = t["steps"]
+        row = (
+            tid,
+            t["task_id"],
+            t["agent_id"],
+            t.get("adapter_version"),
+            source,
+            t["query"],
+            t.get("final_answer"),
+            outcome.get("success"),
+            outcome.get("score"),
+            len(trajectory_steps),
+            t.get("timestamp"),
+            orjson.dumps(t.get("metadata") or {}, option=sort_keys).decode(),
         )
-        for s in t["steps"]:
-            step_rows.append(
-                {
-                    "trajectory_id": tid,
-                    "index": s["index"],
-                    "kind": s["kind"],
-                    "module": s.get("module"),
-                    "tool": s.get("tool"),
-                    "input": _as_text(s.get("input")),
-                    "output": _as_text(s.get("output")),
-                    "status": s.get("status", "ok"),
-                    "confidence": s.get("confidence"),
-                    "duration_ms": s.get("duration_ms"),
-                    "token_ids": s.get("token_ids"),
-                    "logprobs": s.get("logprobs"),
-                }
-            )
+        for add, value in zip(add_traj, row):
+            add(value)
+        for st in trajectory_steps:
+            get = st.get
+            s_tid(tid)
+            s_index(st["index"])
+            s_kind(st["kind"])
+            s_module(get("module"))
+            s_tool(get("tool"))
+            s_input(_as_text(get("input")))
+            s_output(_as_text(get("output")))
+            s_status(get("status", "ok"))
+            s_conf(get("confidence"))
+            s_ms(get("duration_ms"))
+            s_tokens(get("token_ids"))
+            s_logprobs(get("logprobs"))
     return (
-        pl.DataFrame(traj_rows, schema=TRAJECTORIES_SCHEMA),
-        pl.DataFrame(step_rows, schema=STEPS_SCHEMA),
+        pl.DataFrame(traj, schema=TRAJECTORIES_SCHEMA),
+        pl.DataFrame(steps, schema=STEPS_SCHEMA),
     )

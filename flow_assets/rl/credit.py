@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TypeVar
+
 import polars as pl
+
+FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 
 
 @dataclass(frozen=True)
@@ -32,14 +36,14 @@ class CreditConfig:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
 
 
-def step_advantages(
-    steps: pl.DataFrame, trajectory_advantages: pl.DataFrame, config: CreditConfig
-) -> pl.DataFrame:
+def step_advantages(steps: FrameT, trajectory_advantages: FrameT, config: CreditConfig) -> FrameT:
     """Advantage of every step (formulas in the module docstring).
 
     Args:
         steps: one row per step with ``trajectory_id`` and ``index`` (0-based, 0..n-1).
         trajectory_advantages: one row per trajectory with ``trajectory_id`` and ``advantage``.
+            Both eager, or both lazy (the result is then a query to run or sink, e.g. by the
+            streaming engine, so a batch's steps need not fit in memory).
 
     Returns:
         ``trajectory_id, index, advantage`` for every step, in the order of ``steps``. A step

@@ -133,8 +133,8 @@ def custom_rewards(trajectories: Iterable[Trajectory], config: RewardConfig) -> 
 
 
 def reward_table(
-    trajectories: pl.DataFrame,
-    steps: pl.DataFrame,
+    trajectories: pl.DataFrame | pl.LazyFrame,
+    steps: pl.DataFrame | pl.LazyFrame,
     config: RewardConfig,
     custom: Mapping[str, float] | None = None,
 ) -> pl.DataFrame:
@@ -142,18 +142,24 @@ def reward_table(
 
     Args:
         trajectories: one row per trajectory with ``trajectory_id, task_id, agent_id,
-            outcome_success, outcome_score`` (the lake's ``trajectories`` table).
-        steps: one row per step with ``trajectory_id, kind, status`` (the ``steps`` table).
+            outcome_success, outcome_score`` (the lake's ``trajectories`` table), eager or lazy.
+        steps: one row per step with ``trajectory_id, kind, status`` (the ``steps`` table); a
+            lazy frame is aggregated by the streaming engine, reading only those columns.
         custom: ``trajectory_id -> custom reward`` from :func:`custom_rewards`.
 
     Returns:
         One row per trajectory, in the input order: ``trajectory_id, task_id, agent_id,
         r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, reward`` (Float64).
     """
-    counts = steps.group_by("trajectory_id").agg(
-        n_steps=pl.len(),
-        n_tool_ok=((pl.col("kind") == "tool") & (pl.col("status") == "ok")).sum(),
-        n_verify=(pl.col("kind") == "verify").sum(),
+    counts = (
+        steps.lazy()
+        .group_by("trajectory_id")
+        .agg(
+            n_steps=pl.len(),
+            n_tool_ok=((pl.col("kind") == "tool") & (pl.col("status") == "ok")).sum(),
+            n_verify=(pl.col("kind") == "verify").sum(),
+        )
+        .collect(engine="streaming")
     )
     custom_df = pl.DataFrame(
         {"trajectory_id": list((custom or {}).keys()), "r_custom": list((custom or {}).values())},
@@ -165,7 +171,9 @@ def reward_table(
         .otherwise(pl.col("outcome_success").cast(pl.Float64))
     )
     table = (
-        trajectories.select("trajectory_id", "task_id", "agent_id", "outcome_success", "outcome_score")
+        trajectories.lazy()
+        .select("trajectory_id", "task_id", "agent_id", "outcome_success", "outcome_score")
+        .collect()
         .join(counts, on="trajectory_id", how="left", maintain_order="left")
         .join(custom_df, on="trajectory_id", how="left", maintain_order="left")
         .with_columns(pl.col("n_steps", "n_tool_ok", "n_verify").fill_null(0))

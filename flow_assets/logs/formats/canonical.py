@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, read_jsonl
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
 from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import Trajectory
 
@@ -22,12 +22,23 @@ def canonical_record(obj: dict[str, Any], line: int) -> Trajectory:
     return Trajectory.model_validate(obj)
 
 
+def stream_canonical(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> RecordStream:
+    """Stream the records of a canonical JSONL file; bad lines are quarantined with their line and field.
+
+    Raises:
+        UnreadableLogError (while iterating): the file cannot be opened or read.
+    """
+    return stream_jsonl(Path(path), FORMAT, canonical_record, max_record_bytes)
+
+
 def parse_canonical(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> ParseResult:
-    """Parse a canonical JSONL file; bad lines are quarantined with their line and field.
+    """:func:`stream_canonical`, collected into a :class:`ParseResult`.
 
     Raises:
         UnreadableLogError: the file cannot be opened or read.
     """
-    return read_jsonl(Path(path), FORMAT, canonical_record, max_record_bytes)
+    return stream_canonical(path, max_record_bytes=max_record_bytes).collect()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -179,74 +179,137 @@ def _convert(
 
 
 class _Books:
-    """Collects valid and quarantined records of one file and enforces unique trajectory ids."""
+    """Keeps the books of one file while its records stream past: counts every record read and
+    refuses a second record with an already-seen ``trajectory_id``. Memory is one entry per
+    valid trajectory id (not per record body), so a file of any size streams in bounded space."""
 
     def __init__(self, path: Path, fmt: str):
-        self.result = ParseResult(file=str(path), format=fmt)
-        self._seen_ids: dict[str, str] = {}
+        self.file = str(path)
+        self.format = fmt
+        self.records_read = 0
+        self._seen_ids: dict[str, int | str] = {}
 
-    def accept(self, trajectory: Trajectory, where: str, **position: Any) -> None:
-        """Record a valid trajectory. Raises RecordError when its id was already seen."""
+    def accept(self, trajectory: Trajectory, where: int | str, **position: Any) -> ValidRecord:
+        """A valid record of ``trajectory`` found at ``where`` (a line number or a JSON Pointer).
+        Raises RecordError when its id was already seen."""
         first = self._seen_ids.setdefault(trajectory.trajectory_id, where)
         if first != where:
+            seen_at = f"line {first}" if isinstance(first, int) else first
             raise RecordError(
-                f"trajectory_id: duplicate {trajectory.trajectory_id!r} (first seen at {first})",
+                f"trajectory_id: duplicate {trajectory.trajectory_id!r} (first seen at {seen_at})",
                 "trajectory_id",
             )
-        self.result.valid.append(ValidRecord(trajectory, self.result.file, **position))
+        return ValidRecord(trajectory, self.file, **position)
 
-    def quarantine(self, error: RecordError, raw: bytes, **position: Any) -> None:
-        """Record a quarantined record with its raw bytes and position."""
-        self.result.quarantined.append(
-            QuarantinedRecord(self.result.file, error.reason, raw, field=error.field, **position)
-        )
+    def quarantine(self, error: RecordError, raw: bytes, **position: Any) -> QuarantinedRecord:
+        """A quarantined record with its raw bytes and position."""
+        return QuarantinedRecord(self.file, error.reason, raw, field=error.field, **position)
 
 
-def empty_result(path: Path, fmt: str) -> ParseResult:
-    """The result for an empty (or whitespace-only) file: one quarantined record, so a file
-    that arrived empty is visible downstream and conservation still holds."""
-    result = ParseResult(file=str(path), format=fmt, records_read=1)
-    result.quarantined.append(QuarantinedRecord(str(path), EMPTY_FILE_REASON, b""))
-    return result
+Record = ValidRecord | QuarantinedRecord
+"""What a record stream yields: one item per record read, valid or quarantined."""
 
 
-def read_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> ParseResult:
-    """Parse a JSONL file, one record per non-blank line, quarantining bad lines.
+class RecordStream:
+    """The records of one log file, yielded one at a time in file order (iterate once).
+
+    Every record read is yielded exactly once, as a :class:`ValidRecord` or a
+    :class:`QuarantinedRecord`; ``records_read`` counts them independently as they are read, so
+    after the stream is exhausted ``valid + quarantined == records_read`` is a real check.
+    JSONL formats hold one record in memory at a time; whole-file formats hold their document.
+
+    Raises (while iterating):
+        UnreadableLogError: the file cannot be opened or read.
+    """
+
+    def __init__(self, books: _Books, records: Iterator[Record]):
+        self._books = books
+        self._records = records
+
+    @property
+    def file(self) -> str:
+        """Path of the file, as given."""
+        return self._books.file
+
+    @property
+    def format(self) -> str:
+        """The parser reading it (a key of ``reader.FORMATS``)."""
+        return self._books.format
+
+    @property
+    def records_read(self) -> int:
+        """Records read so far (all of them once the stream is exhausted)."""
+        return self._books.records_read
+
+    def __iter__(self) -> Iterator[Record]:
+        return self._records
+
+    def collect(self) -> ParseResult:
+        """Read the whole stream into a :class:`ParseResult` (lists held in memory)."""
+        result = ParseResult(file=self.file, format=self.format)
+        for record in self:
+            (result.valid if isinstance(record, ValidRecord) else result.quarantined).append(record)
+        result.records_read = self.records_read
+        return result
+
+
+def empty_stream(path: Path, fmt: str) -> RecordStream:
+    """The stream of an empty (or whitespace-only) file: one quarantined record."""
+    books = _Books(path, fmt)
+
+    def records() -> Iterator[Record]:
+        books.records_read = 1
+        yield QuarantinedRecord(str(path), EMPTY_FILE_REASON, b"")
+
+    return RecordStream(books, records())
+
+
+def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> RecordStream:
+    """Stream a JSONL file, one record per non-blank line, quarantining bad lines.
 
     Lines are counted from 1, blank lines included, but blank lines are not records. A line
     longer than ``max_record_bytes`` (bytes, line terminator excluded) is quarantined without
     being decoded. ``raw`` of a quarantined record is the line's bytes without its terminator.
+    A file with no record at all yields the one quarantined record of :func:`empty_stream`.
 
-    Raises:
+    Raises (while iterating):
         UnreadableLogError: the file cannot be opened or read.
     """
     books = _Books(path, fmt)
-    try:
-        handle = open(path, "rb")
-    except OSError as error:
-        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
-    with handle:
+
+    def records() -> Iterator[Record]:
         try:
-            for line_no, line in enumerate(handle, start=1):
-                raw = line.rstrip(b"\r\n")
-                if not raw.strip():
-                    continue
-                books.result.records_read += 1
-                try:
-                    if len(raw) > max_record_bytes:
-                        raise RecordError(
-                            f"record is {len(raw)} bytes, over the {max_record_bytes}-byte "
-                            "limit; not parsed"
-                        )
-                    obj = _require_object(decode_record(raw))
-                    books.accept(_convert(convert, obj, line_no), f"line {line_no}", line=line_no)
-                except RecordError as error:
-                    books.quarantine(error, raw, line=line_no)
+            handle = open(path, "rb")
         except OSError as error:
-            raise UnreadableLogError(str(path), f"read failed: {error}") from None
-    if books.result.records_read == 0:
-        return empty_result(path, fmt)
-    return books.result
+            raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+        with handle:
+            try:
+                for line_no, line in enumerate(handle, start=1):
+                    if line.isspace():
+                        continue
+                    books.records_read += 1
+                    # The happy path copies nothing: orjson skips the line terminator itself.
+                    try:
+                        if len(line) > max_record_bytes and len(line.rstrip(b"\r\n")) > max_record_bytes:
+                            size = len(line.rstrip(b"\r\n"))
+                            raise RecordError(
+                                f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed"
+                            )
+                        try:
+                            obj = orjson.loads(line)
+                        except orjson.JSONDecodeError:
+                            obj = decode_record(line.rstrip(b"\r\n"))  # says why, on the record's bytes
+                        obj = _require_object(obj)
+                        yield books.accept(_convert(convert, obj, line_no), line_no, line=line_no)
+                    except RecordError as error:
+                        yield books.quarantine(error, line.rstrip(b"\r\n"), line=line_no)
+            except OSError as error:
+                raise UnreadableLogError(str(path), f"read failed: {error}") from None
+        if books.records_read == 0:
+            books.records_read = 1
+            yield QuarantinedRecord(str(path), EMPTY_FILE_REASON, b"")
+
+    return RecordStream(books, records())
 
 
 @dataclass(frozen=True)
@@ -298,31 +361,34 @@ def pointer_token(key: Any) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
-def read_elements(
+def stream_elements(
     path: Path,
     fmt: str,
     document: Document,
     elements: Iterable[tuple[str, Any]],
     convert: ElementConverter,
-) -> ParseResult:
-    """Convert the record elements of a whole-file document, quarantining bad ones.
+) -> RecordStream:
+    """Stream the record elements of a whole-file document, quarantining bad ones.
 
     ``elements`` yields ``(json_pointer, element)``; each counts as one record read. A document
-    with no elements (``[]``) gives an empty result: the file was not empty, it held no runs.
+    with no elements (``[]``) gives an empty stream: the file was not empty, it held no runs.
     """
     books = _Books(path, fmt)
-    for pointer, element in elements:
-        books.result.records_read += 1
-        try:
-            obj = _require_object(element)
-            if document.lenient:
-                found = find_non_finite(obj)
-                if found is not None:
-                    raise non_finite_error(found)
-            books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
-        except RecordError as error:
-            books.quarantine(error, document.raw(element), pointer=pointer)
-    return books.result
+
+    def records() -> Iterator[Record]:
+        for pointer, element in elements:
+            books.records_read += 1
+            try:
+                obj = _require_object(element)
+                if document.lenient:
+                    found = find_non_finite(obj)
+                    if found is not None:
+                        raise non_finite_error(found)
+                yield books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
+            except RecordError as error:
+                yield books.quarantine(error, document.raw(element), pointer=pointer)
+
+    return RecordStream(books, records())
 
 
 def require_document_shape(path: Path, document: Document, ok: bool, expected: str) -> None:

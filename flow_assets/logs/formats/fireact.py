@@ -31,10 +31,11 @@ from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     FiniteFloat,
     RecordError,
-    empty_result,
+    RecordStream,
+    empty_stream,
     load_document,
     pointer_token,
-    read_elements,
+    stream_elements,
     require_document_shape,
 )
 from flow_assets.logs.records import ParseResult
@@ -211,10 +212,10 @@ def fireact_trajectory(question_id: str, record: FireActRecord, stem: str) -> Tr
     )
 
 
-def parse_fireact(
+def stream_fireact(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """Parse a FireAct trajectories file; each question is one record with pointer
+) -> RecordStream:
+    """Stream the records of a FireAct trajectories file; each question is one record with pointer
     ``/<question id>``. ``max_record_bytes`` is accepted for a uniform signature.
 
     Raises:
@@ -223,7 +224,7 @@ def parse_fireact(
     path = Path(path)
     document = load_document(path)
     if document is None:
-        return empty_result(path, FORMAT)
+        return empty_stream(path, FORMAT)
     is_object = isinstance(document.value, dict)
     require_document_shape(path, document, is_object, "a JSON object keyed by question id")
 
@@ -234,4 +235,15 @@ def parse_fireact(
         return fireact_trajectory(question_of[pointer], record, path.stem)
 
     elements = ((pointer, document.value[key]) for pointer, key in question_of.items())
-    return read_elements(path, FORMAT, document, elements, convert)
+    return stream_elements(path, FORMAT, document, elements, convert)
+
+
+def parse_fireact(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """:func:`stream_fireact`, collected into a :class:`ParseResult`.
+
+    Raises:
+        UnreadableLogError: as :func:`stream_fireact`.
+    """
+    return stream_fireact(path, max_record_bytes=max_record_bytes).collect()

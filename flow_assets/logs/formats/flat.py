@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, read_jsonl
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
 from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
@@ -59,18 +59,29 @@ def flat_trajectory(record: FlatRecord, default_id: str) -> Trajectory:
     )
 
 
-def parse_flat(
+def stream_flat(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """Parse a flat JSONL file; bad lines are quarantined with their line and field (the field
+) -> RecordStream:
+    """Stream the records of a flat JSONL file; bad lines are quarantined with their line and field (the field
     is the flat key, e.g. ``score``). ``trajectory_id`` defaults to ``"{file stem}:{line}"``.
 
     Raises:
-        UnreadableLogError: the file cannot be opened or read.
+        UnreadableLogError (while iterating): the file cannot be opened or read.
     """
     path = Path(path)
 
     def convert(obj: dict[str, Any], line: int) -> Trajectory:
         return flat_trajectory(FlatRecord.model_validate(obj), f"{path.stem}:{line}")
 
-    return read_jsonl(path, FORMAT, convert, max_record_bytes)
+    return stream_jsonl(path, FORMAT, convert, max_record_bytes)
+
+
+def parse_flat(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """:func:`stream_flat`, collected into a :class:`ParseResult`.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    return stream_flat(path, max_record_bytes=max_record_bytes).collect()

@@ -32,8 +32,9 @@ from flow_assets.logs.formats.common import (
     FiniteFloat,
     TaskId,
     load_document,
-    empty_result,
-    read_elements,
+    RecordStream,
+    empty_stream,
+    stream_elements,
     require_document_shape,
 )
 from flow_assets.logs.records import ParseResult
@@ -274,10 +275,10 @@ def tau_bench_trajectory(run: TauBenchRun, stem: str) -> Trajectory:
     )
 
 
-def parse_tau_bench(
+def stream_tau_bench(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """Parse a tau-bench trajectories file (a JSON list); each element is one record whose
+) -> RecordStream:
+    """Stream the records of a tau-bench trajectories file (a JSON list); each element is one record whose
     pointer is ``/<index>``. ``max_record_bytes`` is accepted for a uniform signature; whole-file
     documents are read whole.
 
@@ -287,7 +288,7 @@ def parse_tau_bench(
     path = Path(path)
     document = load_document(path)
     if document is None:
-        return empty_result(path, FORMAT)
+        return empty_stream(path, FORMAT)
     is_list = isinstance(document.value, list)
     require_document_shape(path, document, is_list, "a JSON list of tau-bench runs")
 
@@ -295,4 +296,15 @@ def parse_tau_bench(
         return tau_bench_trajectory(TauBenchRun.model_validate(obj), path.stem)
 
     elements = ((f"/{i}", element) for i, element in enumerate(document.value))
-    return read_elements(path, FORMAT, document, elements, convert)
+    return stream_elements(path, FORMAT, document, elements, convert)
+
+
+def parse_tau_bench(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """:func:`stream_tau_bench`, collected into a :class:`ParseResult`.
+
+    Raises:
+        UnreadableLogError: as :func:`stream_tau_bench`.
+    """
+    return stream_tau_bench(path, max_record_bytes=max_record_bytes).collect()

@@ -18,9 +18,10 @@ from flow_assets.logs.formats.common import (
     FiniteFloat,
     OptionalFiniteFloat,
     TaskId,
-    empty_result,
+    RecordStream,
+    empty_stream,
     load_document,
-    read_elements,
+    stream_elements,
     require_document_shape,
 )
 from flow_assets.logs.formats.openai_chat import ChatMessage, chat_to_steps, prompt_fingerprint
@@ -112,10 +113,10 @@ def simulation_trajectory(sim: Simulation, agent_id: str, file_facts: dict[str, 
     )
 
 
-def parse_tau2(
+def stream_tau2(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """Parse a tau2 Results file; each simulation is one record. ``max_record_bytes`` is
+) -> RecordStream:
+    """Stream the records of a tau2 Results file; each simulation is one record. ``max_record_bytes`` is
     accepted for a uniform signature; whole-file documents are read whole.
 
     Raises:
@@ -124,7 +125,7 @@ def parse_tau2(
     path = Path(path)
     document = load_document(path)
     if document is None:
-        return empty_result(path, FORMAT)
+        return empty_stream(path, FORMAT)
     doc = document.value
     has_simulations = isinstance(doc, dict) and isinstance(doc.get("simulations"), list)
     require_document_shape(
@@ -145,4 +146,15 @@ def parse_tau2(
         return simulation_trajectory(Simulation.model_validate(obj), agent_id, file_facts)
 
     elements = ((f"/simulations/{i}", sim) for i, sim in enumerate(doc["simulations"]))
-    return read_elements(path, FORMAT, document, elements, convert)
+    return stream_elements(path, FORMAT, document, elements, convert)
+
+
+def parse_tau2(
+    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> ParseResult:
+    """:func:`stream_tau2`, collected into a :class:`ParseResult`.
+
+    Raises:
+        UnreadableLogError: as :func:`stream_tau2`.
+    """
+    return stream_tau2(path, max_record_bytes=max_record_bytes).collect()
