@@ -81,19 +81,35 @@ def write_replicated(records: list[dict], target_steps: int, path: Path) -> dict
     """Write canonical JSONL holding at least ``target_steps`` steps: ``records`` over and over,
     copy ``k`` renaming ``trajectory_id`` and ``task_id`` to ``<id>#<k>``.
 
+    Each record is serialised once, with placeholder ids, and copies are made by substituting the
+    ids into those bytes, so writing gigabytes costs little more than the disk writes.
+
     Returns:
         ``trajectories``, ``steps`` and ``bytes`` written.
+
+    Raises:
+        RuntimeError: a record's ids cannot be substituted (checked against a plain rewrite).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    templates = []
+    for rec in records:
+        line = orjson.dumps({**rec, "trajectory_id": "\x00tid\x00", "task_id": "\x00task\x00"})
+        head, _, rest = line.partition(b"\\u0000tid\\u0000")
+        middle, _, tail = rest.partition(b"\\u0000task\\u0000")
+        tid, task = orjson.dumps(rec["trajectory_id"])[1:-1], orjson.dumps(rec["task_id"])[1:-1]
+        expected = orjson.dumps({**rec, "trajectory_id": f"{rec['trajectory_id']}#0", "task_id": f"{rec['task_id']}#0"})
+        if b"".join((head, tid, b"#0", middle, task, b"#0", tail)) != expected:
+            raise RuntimeError(f"cannot template record {rec['trajectory_id']!r} (ids out of order or repeated)")
+        templates.append((head, tid, middle, task, tail + b"\n", len(rec["steps"])))
     trajectories = steps = 0
-    with open(path, "wb") as out:
+    with open(path, "wb", buffering=2**22) as out:
         copy = 0
         while steps < target_steps:
-            for rec in records:
-                line = {**rec, "trajectory_id": f"{rec['trajectory_id']}#{copy}", "task_id": f"{rec['task_id']}#{copy}"}
-                out.write(orjson.dumps(line) + b"\n")
+            suffix = b"#%d" % copy
+            for head, tid, middle, task, tail, n_steps in templates:
+                out.write(b"".join((head, tid, suffix, middle, task, suffix, tail)))
                 trajectories += 1
-                steps += len(rec["steps"])
+                steps += n_steps
                 if steps >= target_steps:
                     break
             copy += 1
