@@ -22,8 +22,9 @@ Sizes: about 1, 4 and 16 million steps, as the issue asks. Canonical JSONL of th
 590 bytes per step, so the 16 M batch is ~9 GB of JSON; the data plane streams it in bounded
 memory. Each size's input is written just before it is measured and deleted after, and a size
 is skipped, with the reason in the results, when the disk cannot hold its input, snapshot and
-lake. One 16 M run takes several minutes, so the large sizes run once (:data:`FULL_REPEATS`) to
-keep ``make bench`` within its 20 minutes; the spread comes from the repeats at 1 M.
+lake. One 16 M run takes about ten minutes on a 2-core machine, so the large sizes run once
+(:data:`FULL_REPEATS`); the spread comes from the repeats at 1 M. Even so the full ``make bench``
+takes longer than the issue's 20 minutes on such a machine (see the README).
 """
 
 from __future__ import annotations
