@@ -185,17 +185,6 @@ def stream_file(
 def parse_file(
     path: str | Path, fmt: str = "auto", *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> ParseResult:
-    """Parse one log file into valid trajectories and quarantined records (held in memory;
-    :func:`stream_file` is the bounded-memory form).
-
-    ``fmt`` is a key of :data:`FORMATS` or ``"auto"`` (detect by content). An empty or
-    whitespace-only file yields one quarantined record (reason ``"empty file: no records"``,
-    ``records_read == 1``); its ``format`` is ``fmt``, or ``"unknown"`` when detecting.
-    ``max_record_bytes`` bounds one JSONL line (bytes); longer lines are quarantined unparsed.
-
-    Raises:
-        ValueError: ``fmt`` names no known format.
-        UnreadableLogError: the file cannot be read, its format cannot be detected, or a
-            whole-file JSON document is not valid JSON / not the named format's shape.
-    """
+    """:func:`stream_file` collected into valid trajectories and quarantined records held in
+    memory (same arguments, rules and errors; the file is read to its end before returning)."""
     return stream_file(path, fmt, max_record_bytes=max_record_bytes).collect()

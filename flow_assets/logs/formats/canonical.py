@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
-from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import Trajectory
 
 FORMAT = "canonical"
@@ -31,14 +30,3 @@ def stream_canonical(
         UnreadableLogError (while iterating): the file cannot be opened or read.
     """
     return stream_jsonl(Path(path), FORMAT, canonical_record, max_record_bytes)
-
-
-def parse_canonical(
-    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """:func:`stream_canonical`, collected into a :class:`ParseResult`.
-
-    Raises:
-        UnreadableLogError: the file cannot be opened or read.
-    """
-    return stream_canonical(path, max_record_bytes=max_record_bytes).collect()

@@ -290,11 +290,12 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
                     books.records_read += 1
                     # The happy path copies nothing: orjson skips the line terminator itself.
                     try:
-                        if len(line) > max_record_bytes and len(line.rstrip(b"\r\n")) > max_record_bytes:
+                        if len(line) > max_record_bytes:  # the terminator does not count
                             size = len(line.rstrip(b"\r\n"))
-                            raise RecordError(
-                                f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed"
-                            )
+                            if size > max_record_bytes:
+                                raise RecordError(
+                                    f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed"
+                                )
                         try:
                             obj = orjson.loads(line)
                         except orjson.JSONDecodeError:

@@ -38,7 +38,6 @@ from flow_assets.logs.formats.common import (
     stream_elements,
     require_document_shape,
 )
-from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import Outcome, Step, Trajectory
 
 FORMAT = "fireact"
@@ -236,14 +235,3 @@ def stream_fireact(
 
     elements = ((pointer, document.value[key]) for pointer, key in question_of.items())
     return stream_elements(path, FORMAT, document, elements, convert)
-
-
-def parse_fireact(
-    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """:func:`stream_fireact`, collected into a :class:`ParseResult`.
-
-    Raises:
-        UnreadableLogError: as :func:`stream_fireact`.
-    """
-    return stream_fireact(path, max_record_bytes=max_record_bytes).collect()

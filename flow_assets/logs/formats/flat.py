@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
-from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
 FORMAT = "flat"
@@ -74,14 +73,3 @@ def stream_flat(
         return flat_trajectory(FlatRecord.model_validate(obj), f"{path.stem}:{line}")
 
     return stream_jsonl(path, FORMAT, convert, max_record_bytes)
-
-
-def parse_flat(
-    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """:func:`stream_flat`, collected into a :class:`ParseResult`.
-
-    Raises:
-        UnreadableLogError: the file cannot be opened or read.
-    """
-    return stream_flat(path, max_record_bytes=max_record_bytes).collect()

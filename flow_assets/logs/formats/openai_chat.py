@@ -37,7 +37,6 @@ from flow_assets.logs.formats.common import (
     stream_elements,
     require_document_shape,
 )
-from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import Outcome, Step, Trajectory
 
 FORMAT = "tau-bench"
@@ -297,14 +296,3 @@ def stream_tau_bench(
 
     elements = ((f"/{i}", element) for i, element in enumerate(document.value))
     return stream_elements(path, FORMAT, document, elements, convert)
-
-
-def parse_tau_bench(
-    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """:func:`stream_tau_bench`, collected into a :class:`ParseResult`.
-
-    Raises:
-        UnreadableLogError: as :func:`stream_tau_bench`.
-    """
-    return stream_tau_bench(path, max_record_bytes=max_record_bytes).collect()

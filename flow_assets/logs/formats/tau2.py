@@ -25,7 +25,6 @@ from flow_assets.logs.formats.common import (
     require_document_shape,
 )
 from flow_assets.logs.formats.openai_chat import ChatMessage, chat_to_steps, prompt_fingerprint
-from flow_assets.logs.records import ParseResult
 from flow_assets.logs.schema import Outcome, Trajectory
 
 FORMAT = "tau2"
@@ -147,14 +146,3 @@ def stream_tau2(
 
     elements = ((f"/simulations/{i}", sim) for i, sim in enumerate(doc["simulations"]))
     return stream_elements(path, FORMAT, document, elements, convert)
-
-
-def parse_tau2(
-    path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> ParseResult:
-    """:func:`stream_tau2`, collected into a :class:`ParseResult`.
-
-    Raises:
-        UnreadableLogError: as :func:`stream_tau2`.
-    """
-    return stream_tau2(path, max_record_bytes=max_record_bytes).collect()
