@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +52,11 @@ class PartitionWriter:
     """Appends polars frames of one fixed schema to a Parquet file as row groups (used through
     :meth:`TrajectoryLake.partition_writer`, which owns the file's atomic replacement).
 
+    Encoding and compressing a row group runs on a background thread (pyarrow releases the GIL
+    there), so a caller that builds its next frame in Python overlaps with the write of the last
+    one. At most one frame is being written while the caller holds the next: memory stays at
+    about two chunks.
+
     Attributes:
         rows: rows written so far.
     """
@@ -59,6 +65,8 @@ class PartitionWriter:
         self._schema = dict(schema)
         self._arrow_schema = pl.DataFrame(schema=self._schema).to_arrow().schema
         self._writer = pq.ParquetWriter(path, self._arrow_schema, compression="zstd", write_statistics=True)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-writer")
+        self._pending: Future | None = None
         self.rows = 0
 
     def write(self, frame: pl.DataFrame) -> None:
@@ -73,12 +81,29 @@ class PartitionWriter:
         table = ordered.to_arrow()
         if table.schema != self._arrow_schema:  # e.g. an all-null column, or a chunked view type
             table = table.cast(self._arrow_schema)
-        self._writer.write_table(table)
+        self._finish_pending()
+        self._pending = self._thread.submit(self._writer.write_table, table)
         self.rows += frame.height
 
+    def _finish_pending(self) -> None:
+        # A failed background write raises here, in the caller's thread, on its next call.
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     def close(self) -> None:
-        """Finish the file (footer written); idempotent."""
-        if self._writer is not None:
+        """Wait for the last row group, then finish the file (footer written); idempotent.
+
+        Raises:
+            OSError / pyarrow.ArrowException: a background write failed (the file is then
+                incomplete; :meth:`TrajectoryLake.partition_writer` deletes it).
+        """
+        if self._writer is None:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._thread.shutdown()
             self._writer.close()
             self._writer = None
 
@@ -180,8 +205,19 @@ class TrajectoryLake(ConfigurableResource):
             FileNotFoundError: the partition has not been materialised; the message names it.
         """
         parquet = pq.ParquetFile(self._existing(table, batch))
-        for record_batch in parquet.iter_batches(batch_size=rows, columns=columns):
-            yield pl.from_arrow(record_batch)
+        batches = parquet.iter_batches(batch_size=rows, columns=columns)
+
+        def next_frame() -> pl.DataFrame | None:
+            record_batch = next(batches, None)
+            return None if record_batch is None else pl.from_arrow(record_batch)
+
+        # The next chunk is read and decompressed on a background thread (pyarrow releases the
+        # GIL) while the caller works on this one.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-reader") as thread:
+            ahead = thread.submit(next_frame)
+            while (frame := ahead.result()) is not None:
+                ahead = thread.submit(next_frame)
+                yield frame
 
     def _existing(self, table: str, batch: str) -> Path:
         path = self.partition_path(table, batch)
