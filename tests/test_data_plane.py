@@ -92,7 +92,8 @@ def test_rematerialising_with_other_config_replaces_exactly_that_partition(inges
 
 
 def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, monkeypatch):
-    """The data plane streams a batch chunk by chunk; chunk boundaries must not change a row."""
+    """The data plane streams a batch chunk by chunk, and may validate the chunks in worker
+    processes; neither chunk boundaries nor workers may change a row."""
     import orjson
     import pyarrow.parquet as pq
     from dagster import instance_for_test
@@ -106,28 +107,36 @@ def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, m
     lines.insert(120, orjson.dumps({**orjson.loads(lines[0]), "trajectory_id": "x", "steps": "none"}))
     body = b"\n".join(lines) + b"\n"
 
-    def run(name: str) -> TrajectoryLake:
+    def run(name: str, parse_workers: int = 1) -> TrajectoryLake:
         landing, lake_root = tmp_path / name / "landing", tmp_path / name / "lake"
         (landing / "fleet").mkdir(parents=True)
         (landing / "fleet" / "runs.jsonl").write_bytes(body)
         defs = build_definitions(str(lake_root), str(landing))
         (tmp_path / name / "home").mkdir()
         with instance_for_test(temp_dir=str(tmp_path / name / "home")) as instance:  # each run its own instance
-            tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
-        assert len(tick.succeeded) == 1 and not tick.failed
-        return TrajectoryLake(root=str(lake_root)), tick.succeeded[0]
+            (key,) = [r.partition_key for r in tick_sensor(defs, instance, "new_logs_sensor").run_requests]
+            config = {"ops": {"interaction_logs": {"config": {"parse_workers": parse_workers}}}}
+            result = defs.resolve_job_def("log_batch_job").execute_in_process(
+                instance=instance, partition_key=key, run_config=config
+            )
+            assert result.success
+            workers = result.asset_materializations_for_node("interaction_logs")[0].metadata["parse_workers"]
+            assert workers.value == parse_workers
+        return TrajectoryLake(root=str(lake_root)), key
 
     whole, key = run("whole")
     monkeypatch.setattr(tables, "CHUNK_RECORDS", 7)
     monkeypatch.setattr(tables, "CHUNK_BYTES", 20_000)
     chunked, chunked_key = run("chunked")
-    assert chunked_key == key
-    for table in TABLES:
-        # ``file`` is the snapshot's path, which holds its lake's root: compare its name only
-        a, b = (lake.read_partition(table, key) for lake in (chunked, whole))
-        if "file" in a.columns:
-            a, b = (f.with_columns(pl.col("file").str.split("/").list.last()) for f in (a, b))
-        assert a.equals(b), table
+    workers, workers_key = run("workers", parse_workers=2)
+    assert chunked_key == workers_key == key
+    for other in (chunked, workers):
+        for table in TABLES:
+            # ``file`` is the snapshot's path, which holds its lake's root: compare its name only
+            a, b = (lake.read_partition(table, key) for lake in (other, whole))
+            if "file" in a.columns:
+                a, b = (f.with_columns(pl.col("file").str.split("/").list.last()) for f in (a, b))
+            assert a.equals(b), table
     assert pq.ParquetFile(chunked.partition_path("steps", key)).num_row_groups > 20  # it did stream
     quarantine = whole.read_partition("quarantine", key)
     assert sorted(quarantine["line"].to_list()) == [4, 51, 121]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import orjson
 import pytest
 
+from flow_assets.logs.chunks import read_chunks, worker_count
 from flow_assets.logs.reader import parse_file
 from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError
 from flow_assets.logs.schema import Trajectory
@@ -341,3 +343,72 @@ def test_deeply_nested_line_is_quarantined_not_fatal(originals, tmp_path: Path):
     assert [r.line for r in result.valid] == [1]
     (q,) = result.quarantined
     assert q.line == 2 and q.reason.startswith("invalid JSON") and q.raw == deep
+
+
+# ---------------------------------------------------------------- read by worker processes
+
+
+def _read_all(path: Path, fmt: str = "auto", **options) -> tuple[str, int, list, list]:
+    with read_chunks(path, fmt, **options) as stream:
+        chunks = list(stream)
+    valid = [record for chunk in chunks for record in chunk.valid.rows(named=True)]
+    quarantined = [record for chunk in chunks for record in chunk.quarantined]
+    return stream.format, stream.records_read, valid, quarantined
+
+
+def test_workers_read_the_corrupted_copy_exactly_as_one_process(corrupted, tmp_path: Path):
+    path, *_ = corrupted
+    # duplicates of lines that sit in other chunks than their first copy, one of them in flight
+    lines = path.read_bytes().split(b"\n")
+    copy = tmp_path / "with-duplicates.jsonl"
+    copy.write_bytes(b"\n".join(lines + [lines[0], lines[150]]) + b"\n")
+    serial = _read_all(copy, workers=1)
+    for options in ({"max_records": 16}, {"max_records": 1000, "max_bytes": 40_000}):
+        assert _read_all(copy, workers=2, **options) == serial
+    fmt, records_read, valid, quarantined = serial
+    assert (fmt, records_read, len(valid)) == ("canonical", 202, 188)
+    duplicates = [q for q in quarantined if q.field == "trajectory_id"]
+    assert [q.line for q in duplicates] == [len(lines) + 1, len(lines) + 2]
+    assert "first seen at line 1" in duplicates[0].reason
+
+
+def test_workers_read_flat_lines_with_their_default_ids(originals, tmp_path: Path):
+    path = tmp_path / "fleet.jsonl"
+    rows = [{"task_id": t.task_id, "input": t.query, "response": "ok", "score": 1.0, "agent_id": "a"} for t in originals[:9]]
+    rows[4]["score"] = "high"
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
+    fmt, records_read, valid, quarantined = _read_all(path, workers=2, max_records=2)
+    assert (fmt, records_read) == ("flat", 9)
+    assert [r["trajectory_id"] for r in valid] == [f"fleet:{n}" for n in (1, 2, 3, 4, 6, 7, 8, 9)]
+    assert [(q.line, q.field) for q in quarantined] == [(5, "score")]
+    assert _read_all(path, workers=1, max_records=2) == (fmt, records_read, valid, quarantined)
+
+
+def test_workers_keep_the_empty_file_record(tmp_path: Path):
+    path = tmp_path / "blank.jsonl"
+    path.write_bytes(b"\n  \n")
+    fmt, records_read, valid, (q,) = _read_all(path, "canonical", workers=2)
+    assert (fmt, records_read, valid, q.reason) == ("canonical", 1, [], "empty file: no records")
+
+
+def test_a_reader_stopped_early_stops_its_workers(corrupted):
+    path, *_ = corrupted
+    done = threading.Event()
+
+    def read_one_chunk():
+        with read_chunks(path, workers=2, max_records=4) as stream:
+            next(iter(stream))
+        done.set()
+
+    thread = threading.Thread(target=read_one_chunk, daemon=True)
+    thread.start()
+    assert done.wait(timeout=120), "leaving the with block did not shut the worker pool down"
+
+
+def test_worker_count_auto_uses_workers_only_for_large_files(tmp_path: Path):
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(b"{}\n")
+    assert worker_count(0, small) == 1
+    assert worker_count(3, small) == 3
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        worker_count(-1, small)

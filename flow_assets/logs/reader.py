@@ -14,8 +14,15 @@ from typing import Any
 
 import orjson
 
+from flow_assets.logs.formats import canonical, flat
 from flow_assets.logs.formats.canonical import stream_canonical
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, empty_stream, load_document
+from flow_assets.logs.formats.common import (
+    DEFAULT_MAX_RECORD_BYTES,
+    LineConverter,
+    RecordStream,
+    empty_stream,
+    load_document,
+)
 from flow_assets.logs.formats.fireact import stream_fireact
 from flow_assets.logs.formats.flat import stream_flat
 from flow_assets.logs.formats.openai_chat import stream_tau_bench
@@ -33,6 +40,13 @@ FORMATS: dict[str, Parser] = {
 }
 """Format name → parser ``(path, *, max_record_bytes) -> RecordStream``. JSONL formats
 (canonical, flat) stream a record at a time; whole-file formats load their document first."""
+
+LINE_CONVERTERS: dict[str, Callable[[Path], LineConverter]] = {
+    "canonical": canonical.line_converter,
+    "flat": flat.line_converter,
+}
+"""JSONL format name → ``line_converter(path)``: the picklable per-line converter its parser uses,
+so lines of a large file can be validated in other processes (``flow_assets.logs.parallel``)."""
 
 # How many non-blank lines detection inspects looking for a recognisable JSONL record, and how
 # many elements of a whole-file document it inspects for the expected keys: enough to step over
@@ -172,14 +186,32 @@ def stream_file(
             cannot be detected, or a whole-file JSON document is not valid JSON / not the named
             format's shape.
     """
+    path = Path(path)
+    fmt = resolve_format(path, fmt)
+    if fmt == BLANK:
+        return empty_stream(path, BLANK)
+    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+
+
+BLANK = "unknown"
+"""What :func:`resolve_format` says of an empty or whitespace-only file when asked to detect."""
+
+
+def resolve_format(path: str | Path, fmt: str = "auto") -> str:
+    """The parser for ``path``: ``fmt`` itself when it names one, else the detected format, or
+    :data:`BLANK` for an empty/whitespace-only file (there is nothing to detect from).
+
+    Raises:
+        ValueError: ``fmt`` names no known format.
+        UnreadableLogError: detection failed (see :func:`detect_format`).
+    """
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(FORMATS)}")
-    path = Path(path)
-    if fmt == "auto":
-        if is_blank_file(path):
-            return empty_stream(path, "unknown")
-        fmt = detect_format(path)
-    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+    if fmt != "auto":
+        return fmt
+    if is_blank_file(path):
+        return BLANK
+    return detect_format(path)
 
 
 def parse_file(

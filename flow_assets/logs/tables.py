@@ -90,11 +90,34 @@ class CanonicalRecord(NamedTuple):
         return cls(record.file, record.line, record.pointer, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json())
 
 
+VALID_RECORDS_SCHEMA = {
+    "file": pl.String,
+    "line": pl.Int64,
+    "pointer": pl.String,
+    "trajectory_id": pl.String,
+    "task_id": pl.String,
+    "agent_id": pl.String,
+    "record_json": pl.String,
+}
+"""Columns of :attr:`RecordChunk.valid`: the fields of :class:`CanonicalRecord`."""
+
+
+def valid_records_frame(records: Sequence[CanonicalRecord]) -> pl.DataFrame:
+    """:class:`CanonicalRecord` s as a frame of :data:`VALID_RECORDS_SCHEMA`, in order."""
+    if not records:
+        return pl.DataFrame(schema=VALID_RECORDS_SCHEMA)
+    columns = zip(*records)
+    return pl.DataFrame({name: list(values) for name, values in zip(CanonicalRecord._fields, columns)}, schema=VALID_RECORDS_SCHEMA)
+
+
 @dataclass(frozen=True)
 class RecordChunk:
-    """Consecutive records of one batch, the valid and the quarantined ones, each in file order."""
+    """Consecutive records of one batch, the valid and the quarantined ones, each in file order.
 
-    valid: list[CanonicalRecord]
+    ``valid`` has the columns of :data:`VALID_RECORDS_SCHEMA`, one row per valid record.
+    """
+
+    valid: pl.DataFrame
     quarantined: list[QuarantinedRecord]
 
 
@@ -124,30 +147,26 @@ def chunk_records(
             quarantined.append(record)
             size += len(record.raw)
         if len(valid) + len(quarantined) >= max_records or size >= max_bytes:
-            yield RecordChunk(valid, quarantined)
+            yield RecordChunk(valid_records_frame(valid), quarantined)
             valid, quarantined, size = [], [], 0
     if valid or quarantined:
-        yield RecordChunk(valid, quarantined)
+        yield RecordChunk(valid_records_frame(valid), quarantined)
 
 
-def interaction_logs_frame(valid: Sequence[CanonicalRecord], fmt: str, first_record: int = 0) -> pl.DataFrame:
+def interaction_logs_frame(valid: pl.DataFrame, fmt: str, first_record: int = 0) -> pl.DataFrame:
     """One row per valid record: where it came from and its canonical JSON.
 
     Args:
-        valid: valid records in file order (one chunk of a batch, or all of it).
+        valid: valid records in file order (:attr:`RecordChunk.valid`: one chunk of a batch, or
+            all of it).
         fmt: the parser that read them.
-        first_record: ``record`` number of ``valid[0]`` (0-based position among the batch's
+        first_record: ``record`` number of the first row (0-based position among the batch's
             valid records), so chunks of one batch number their rows consecutively.
     """
-    columns = dict(zip(CanonicalRecord._fields, zip(*valid))) if valid else {f: () for f in CanonicalRecord._fields}
-    return pl.DataFrame(
-        {
-            "record": range(first_record, first_record + len(valid)),
-            "format": [fmt] * len(valid),
-            **{name: list(values) for name, values in columns.items()},
-        },
-        schema=INTERACTION_LOGS_SCHEMA,
-    )
+    return valid.with_columns(
+        record=pl.int_range(first_record, first_record + valid.height, dtype=pl.UInt32),
+        format=pl.lit(fmt, dtype=pl.String),
+    ).select(list(INTERACTION_LOGS_SCHEMA))
 
 
 def quarantine_frame(quarantined: Iterable[QuarantinedRecord]) -> pl.DataFrame:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, LineConverter, RecordStream, stream_jsonl
 from flow_assets.logs.schema import Trajectory
 
 FORMAT = "canonical"
@@ -30,3 +30,8 @@ def stream_canonical(
         UnreadableLogError (while iterating): the file cannot be opened or read.
     """
     return stream_jsonl(Path(path), FORMAT, canonical_record, max_record_bytes)
+
+
+def line_converter(path: str | Path) -> LineConverter:
+    """The converter of ``path``'s lines (the same for every file); picklable."""
+    return canonical_record

@@ -178,7 +178,7 @@ def _convert(
         raise RecordError(f"unexpected record shape: {type(error).__name__}: {error}") from None
 
 
-class _Books:
+class Books:
     """Keeps the books of one file while its records stream past: counts every record read and
     refuses a second record with an already-seen ``trajectory_id``. Memory is one entry per
     valid trajectory id (not per record body), so a file of any size streams in bounded space."""
@@ -189,16 +189,21 @@ class _Books:
         self.records_read = 0
         self._seen_ids: dict[str, int | str] = {}
 
-    def accept(self, trajectory: Trajectory, where: int | str, **position: Any) -> ValidRecord:
-        """A valid record of ``trajectory`` found at ``where`` (a line number or a JSON Pointer).
-        Raises RecordError when its id was already seen."""
-        first = self._seen_ids.setdefault(trajectory.trajectory_id, where)
+    def claim_id(self, trajectory_id: str, where: int | str) -> None:
+        """Record that ``trajectory_id`` was found valid at ``where`` (a line number or a JSON
+        Pointer). Raises RecordError when another record already holds it."""
+        first = self._seen_ids.setdefault(trajectory_id, where)
         if first != where:
             seen_at = f"line {first}" if isinstance(first, int) else first
             raise RecordError(
-                f"trajectory_id: duplicate {trajectory.trajectory_id!r} (first seen at {seen_at})",
+                f"trajectory_id: duplicate {trajectory_id!r} (first seen at {seen_at})",
                 "trajectory_id",
             )
+
+    def accept(self, trajectory: Trajectory, where: int | str, **position: Any) -> ValidRecord:
+        """A valid record of ``trajectory`` found at ``where`` (see :meth:`claim_id`).
+        Raises RecordError when its id was already seen."""
+        self.claim_id(trajectory.trajectory_id, where)
         return ValidRecord(trajectory, self.file, **position)
 
     def quarantine(self, error: RecordError, raw: bytes, **position: Any) -> QuarantinedRecord:
@@ -222,7 +227,7 @@ class RecordStream:
         UnreadableLogError: the file cannot be opened or read.
     """
 
-    def __init__(self, books: _Books, records: Iterator[Record]):
+    def __init__(self, books: Books, records: Iterator[Record]):
         self._books = books
         self._records = records
 
@@ -255,13 +260,38 @@ class RecordStream:
 
 def empty_stream(path: Path, fmt: str) -> RecordStream:
     """The stream of an empty (or whitespace-only) file: one quarantined record."""
-    books = _Books(path, fmt)
+    books = Books(path, fmt)
 
     def records() -> Iterator[Record]:
         books.records_read = 1
         yield QuarantinedRecord(str(path), EMPTY_FILE_REASON, b"")
 
     return RecordStream(books, records())
+
+
+def read_line(line: bytes, line_no: int, convert: LineConverter, max_record_bytes: int) -> Trajectory:
+    """One JSONL record (a line, its terminator included or not) decoded and converted.
+
+    Args:
+        line: the line's bytes.
+        line_no: its 1-based line number (some converters derive a default id from it).
+        convert: the format's converter.
+        max_record_bytes: longest line (bytes, terminator excluded) that is decoded at all.
+
+    Raises:
+        RecordError: the line is oversized, not JSON, not an object, or not a valid record of
+            the format; ``field`` and ``reason`` say why.
+    """
+    # The happy path copies nothing: orjson skips the line terminator itself.
+    if len(line) > max_record_bytes:  # the terminator does not count
+        size = len(line.rstrip(b"\r\n"))
+        if size > max_record_bytes:
+            raise RecordError(f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed")
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        obj = decode_record(line.rstrip(b"\r\n"))  # says why, on the record's bytes
+    return _convert(convert, _require_object(obj), line_no)
 
 
 def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> RecordStream:
@@ -275,7 +305,7 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
     Raises (while iterating):
         UnreadableLogError: the file cannot be opened or read.
     """
-    books = _Books(path, fmt)
+    books = Books(path, fmt)
 
     def records() -> Iterator[Record]:
         try:
@@ -288,20 +318,8 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
                     if line.isspace():
                         continue
                     books.records_read += 1
-                    # The happy path copies nothing: orjson skips the line terminator itself.
                     try:
-                        if len(line) > max_record_bytes:  # the terminator does not count
-                            size = len(line.rstrip(b"\r\n"))
-                            if size > max_record_bytes:
-                                raise RecordError(
-                                    f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed"
-                                )
-                        try:
-                            obj = orjson.loads(line)
-                        except orjson.JSONDecodeError:
-                            obj = decode_record(line.rstrip(b"\r\n"))  # says why, on the record's bytes
-                        obj = _require_object(obj)
-                        yield books.accept(_convert(convert, obj, line_no), line_no, line=line_no)
+                        yield books.accept(read_line(line, line_no, convert, max_record_bytes), line_no, line=line_no)
                     except RecordError as error:
                         yield books.quarantine(error, line.rstrip(b"\r\n"), line=line_no)
             except OSError as error:
@@ -374,7 +392,7 @@ def stream_elements(
     ``elements`` yields ``(json_pointer, element)``; each counts as one record read. A document
     with no elements (``[]``) gives an empty stream: the file was not empty, it held no runs.
     """
-    books = _Books(path, fmt)
+    books = Books(path, fmt)
 
     def records() -> Iterator[Record]:
         for pointer, element in elements:

@@ -10,12 +10,13 @@ in [0, 1] and 0.5 is the midpoint); a producer with another threshold must send 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordStream, stream_jsonl
+from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, LineConverter, RecordStream, stream_jsonl
 from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
 FORMAT = "flat"
@@ -68,8 +69,18 @@ def stream_flat(
         UnreadableLogError (while iterating): the file cannot be opened or read.
     """
     path = Path(path)
+    return stream_jsonl(path, FORMAT, line_converter(path), max_record_bytes)
 
-    def convert(obj: dict[str, Any], line: int) -> Trajectory:
-        return flat_trajectory(FlatRecord.model_validate(obj), f"{path.stem}:{line}")
 
-    return stream_jsonl(path, FORMAT, convert, max_record_bytes)
+def flat_line(stem: str, obj: dict[str, Any], line: int) -> Trajectory:
+    """Validate one decoded flat line of a file named ``stem`` (its default id is ``"{stem}:{line}"``).
+
+    Raises:
+        pydantic.ValidationError: the object is not a flat record.
+    """
+    return flat_trajectory(FlatRecord.model_validate(obj), f"{stem}:{line}")
+
+
+def line_converter(path: str | Path) -> LineConverter:
+    """The converter of ``path``'s lines; picklable, so worker processes can run it."""
+    return partial(flat_line, Path(path).stem)

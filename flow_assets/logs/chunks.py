@@ -1,0 +1,292 @@
+"""A log batch read as chunks of canonical records, on one process or on several.
+
+``interaction_logs`` spends most of its time in Python: decoding each line, validating it into a
+:class:`~flow_assets.logs.schema.Trajectory` and writing its canonical JSON (~70 µs per trajectory
+of ~8 steps on a 2-core machine). For a large JSONL batch that work is spread over worker
+processes, block by block, while this process keeps what needs the whole file in order: line
+numbers, the duplicate-id check and the record count. The chunks that come out, and so the
+tables, hold the same rows as a serial read's; only the chunk (row-group) boundaries differ.
+
+Worker processes come from a ``forkserver`` (never a fork of this process, which may hold
+Dagster's threads and locks). A bounded number of blocks is in flight (:func:`ordered_map`), so
+memory stays bounded whatever the size of the file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import polars as pl
+
+from flow_assets.logs.formats.common import (
+    DEFAULT_MAX_RECORD_BYTES,
+    EMPTY_FILE_REASON,
+    Books,
+    LineConverter,
+    RecordError,
+    read_line,
+)
+from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
+from flow_assets.logs.records import QuarantinedRecord, UnreadableLogError
+from flow_assets.logs.tables import CHUNK_BYTES, CHUNK_RECORDS, RecordChunk, chunk_records, valid_records_frame
+
+#: ``workers=0`` (auto) uses worker processes only for a file at least this large (bytes): below
+#: it, starting them costs more than they save.
+PARALLEL_MIN_BYTES = 32 * 2**20
+#: Bytes of a file a worker validates at a time (at most; a longer line is never cut).
+PARALLEL_BLOCK_BYTES = 8 * 2**20
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def worker_count(requested: int, path: str | Path) -> int:
+    """How many worker processes to read ``path`` with: ``requested`` when it is >= 1, else (auto)
+    one per CPU core for a file of at least :data:`PARALLEL_MIN_BYTES`, and 1 (no workers) below.
+
+    Raises:
+        ValueError: ``requested`` < 0.
+    """
+    if requested < 0:
+        raise ValueError(f"workers must be >= 0 (0 = auto), got {requested}")
+    if requested:
+        return requested
+    try:
+        large = os.path.getsize(path) >= PARALLEL_MIN_BYTES
+    except OSError:
+        large = False  # the reader reports the unreadable file itself
+    return max(1, os.cpu_count() or 1) if large else 1
+
+
+def ordered_map(function: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[tuple[T, R]]:
+    """``(item, function(item))`` for each item, computed by ``workers`` processes and yielded in
+    the order of ``items``. At most ``2 * workers + 1`` items are submitted and not yet yielded,
+    so a long (lazy) ``items`` is consumed in bounded memory. Leaving the iteration early (or an
+    error) cancels what is queued and waits for what is running.
+
+    ``function`` and the items must be picklable (module-level functions, ``functools.partial``).
+    Workers come from a ``forkserver``; as with every ``multiprocessing`` start method but fork,
+    a script that starts them must guard its top level with ``if __name__ == "__main__":``.
+
+    Raises:
+        Exception: what ``function`` raised, for the first item (in order) that failed.
+        concurrent.futures.process.BrokenProcessPool: a worker died (killed, out of memory).
+    """
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        in_flight: deque[tuple[T, Future]] = deque()
+        try:
+            for item in items:
+                in_flight.append((item, pool.submit(function, item)))
+                if len(in_flight) > 2 * workers:
+                    item, future = in_flight.popleft()
+                    yield item, future.result()
+            while in_flight:
+                item, future = in_flight.popleft()
+                yield item, future.result()
+        finally:
+            for _, future in in_flight:  # stopped early: do not compute what nobody will read
+                future.cancel()
+
+
+class ChunkStream:
+    """The records of one log file as :class:`~flow_assets.logs.tables.RecordChunk` s, in file
+    order (iterate once, inside ``with`` so worker processes stop even if the reader does not
+    finish). ``format`` is the parser; ``records_read`` counts every record read so far, apart
+    from the records yielded, so ``valid + quarantined == records_read`` is a real check once
+    the stream is exhausted.
+
+    Raises (while iterating):
+        UnreadableLogError: the file cannot be opened or read.
+    """
+
+    def __init__(self, fmt: str, chunks: Iterator[RecordChunk], records_read: Callable[[], int]):
+        self.format = fmt
+        self._chunks = chunks
+        self._records_read = records_read
+
+    @property
+    def records_read(self) -> int:
+        """Records read so far (all of them once the stream is exhausted)."""
+        return self._records_read()
+
+    def __iter__(self) -> Iterator[RecordChunk]:
+        return self._chunks
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._chunks.close()
+
+
+def read_chunks(
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    workers: int = 1,
+    max_records: int = CHUNK_RECORDS,
+    max_bytes: int = CHUNK_BYTES,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> ChunkStream:
+    """Read a log file as chunks of at most ``max_records`` records / about ``max_bytes`` bytes.
+
+    With ``workers`` >= 2 and a JSONL format (canonical, flat), lines are validated by that many
+    worker processes, in blocks of at most ``min(max_bytes, PARALLEL_BLOCK_BYTES)`` bytes;
+    otherwise the file is read by :func:`~flow_assets.logs.reader.stream_file` and
+    :func:`~flow_assets.logs.tables.chunk_records` in this process. Either way every record is
+    yielded once, valid or quarantined, with the same reasons and positions (the rules of
+    :func:`~flow_assets.logs.reader.stream_file`). :func:`worker_count` chooses ``workers``.
+
+    Raises:
+        ValueError: ``fmt`` names no known format, or a chunk bound is < 1.
+        UnreadableLogError: the file cannot be read or its format detected (a JSONL file that
+            cannot be opened: when iteration starts).
+    """
+    if max_records < 1 or max_bytes < 1:
+        raise ValueError(f"chunk bounds must be >= 1, got {max_records} records, {max_bytes} bytes")
+    path = Path(path)
+    resolved = resolve_format(path, fmt)
+    if workers >= 2 and resolved in LINE_CONVERTERS:
+        books = Books(path, resolved)
+        work = partial(
+            canonicalise_block,
+            convert=LINE_CONVERTERS[resolved](path),
+            max_record_bytes=max_record_bytes,
+            max_records=max_records,
+        )
+        chunks = _parallel_chunks(path, books, work, workers, min(max_bytes, PARALLEL_BLOCK_BYTES))
+        return ChunkStream(resolved, chunks, lambda: books.records_read)
+    stream = stream_file(path, "auto" if resolved == BLANK else resolved, max_record_bytes=max_record_bytes)
+    return ChunkStream(stream.format, chunk_records(stream, max_records, max_bytes), lambda: stream.records_read)
+
+
+def file_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """``(number of its first line, block)``: the file cut into blocks of about ``block_bytes``
+    bytes that end at a line end (or at the file's end); a line longer than a block is never cut.
+
+    Raises:
+        UnreadableLogError: the file cannot be opened or read.
+    """
+    try:
+        handle = open(path, "rb", buffering=0)
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    with handle:
+        first_line, carry = 1, b""
+        try:
+            while data := handle.read(block_bytes):
+                data = carry + data if carry else data
+                cut = data.rfind(b"\n") + 1
+                block, carry = data[:cut], data[cut:]
+                if block:
+                    yield first_line, block
+                    first_line += block.count(b"\n")
+        except OSError as error:
+            raise UnreadableLogError(str(path), f"read failed: {error}") from None
+        if carry:
+            yield first_line, carry
+
+
+def block_lines(block: bytes, first_line: int) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of a block with their 1-based numbers, each without its ``\\n`` (a
+    ``\\r`` before it stays, as :func:`~flow_assets.logs.formats.common.read_line` allows)."""
+    lines = block.split(b"\n")
+    if block.endswith(b"\n"):
+        lines.pop()  # the empty piece after the last terminator is not a line
+    for line_no, line in enumerate(lines, start=first_line):
+        if line and not line.isspace():
+            yield line_no, line
+
+
+Quarantined = tuple[int, str | None, str, bytes]
+"""A record a worker quarantined: ``(line, field, reason, raw bytes)``."""
+
+BlockResult = tuple[int, list[tuple[pl.DataFrame, list[Quarantined]]]]
+"""What a worker returns for one block: the number of records in it, then per chunk of at most
+``max_records`` records the valid ones (a frame of line, ids and canonical JSON) and the
+quarantined ones."""
+
+_WORKER_COLUMNS = {
+    "line": pl.Int64,
+    "trajectory_id": pl.String,
+    "task_id": pl.String,
+    "agent_id": pl.String,
+    "record_json": pl.String,
+}
+
+
+def canonicalise_block(
+    block: tuple[int, bytes], convert: LineConverter, max_record_bytes: int, max_records: int
+) -> BlockResult:
+    """Worker side: decode, validate and serialise every record of a ``(first line, bytes)``
+    block (see :data:`BlockResult`). Duplicate ids are not checked here (a worker sees one
+    block); the reading process does that, in file order."""
+    first_line, data = block
+    records = 0
+    chunks: list[tuple[pl.DataFrame, list[Quarantined]]] = []
+    rows: list[tuple[int, str, str, str, str]] = []
+    quarantined: list[Quarantined] = []
+    for line_no, line in block_lines(data, first_line):
+        records += 1
+        try:
+            t = read_line(line, line_no, convert, max_record_bytes)
+        except RecordError as error:
+            quarantined.append((line_no, error.field, error.reason, line.rstrip(b"\r\n")))
+        else:
+            rows.append((line_no, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json()))
+        if len(rows) + len(quarantined) >= max_records:
+            chunks.append((pl.DataFrame(rows, schema=_WORKER_COLUMNS, orient="row"), quarantined))
+            rows, quarantined = [], []
+    if rows or quarantined:
+        chunks.append((pl.DataFrame(rows, schema=_WORKER_COLUMNS, orient="row"), quarantined))
+    return records, chunks
+
+
+def _settle(books: Books, block: tuple[int, bytes], valid: pl.DataFrame, bad: list[Quarantined]) -> RecordChunk:
+    """One chunk of a worker's block as records of the batch, duplicate ids checked in order."""
+    quarantined = [
+        books.quarantine(RecordError(reason, field), raw, line=line_no) for line_no, field, reason, raw in bad
+    ]
+    duplicates: list[int] = []
+    lines: dict[int, bytes] | None = None
+    for row, (tid, line_no) in enumerate(zip(valid["trajectory_id"].to_list(), valid["line"].to_list())):
+        try:
+            books.claim_id(tid, line_no)
+        except RecordError as error:
+            duplicates.append(row)
+            if lines is None:  # rare: only a chunk holding a duplicate splits its block again
+                lines = dict(block_lines(block[1], block[0]))
+            quarantined.append(books.quarantine(error, lines[line_no].rstrip(b"\r\n"), line=line_no))
+    if duplicates:
+        valid = valid.with_row_index("_row").filter(~pl.col("_row").is_in(duplicates)).drop("_row")
+        quarantined.sort(key=lambda q: q.line)
+    frame = valid.select(
+        file=pl.lit(books.file, dtype=pl.String),
+        line="line",
+        pointer=pl.lit(None, dtype=pl.String),
+        trajectory_id="trajectory_id",
+        task_id="task_id",
+        agent_id="agent_id",
+        record_json="record_json",
+    )
+    return RecordChunk(frame, quarantined)
+
+
+def _parallel_chunks(
+    path: Path, books: Books, work: Callable[[tuple[int, bytes]], BlockResult], workers: int, block_bytes: int
+) -> Iterator[RecordChunk]:
+    for block, (records, chunks) in ordered_map(work, file_blocks(path, block_bytes), workers):
+        books.records_read += records
+        for valid, bad in chunks:
+            yield _settle(books, block, valid, bad)
+    if books.records_read == 0:
+        books.records_read = 1
+        yield RecordChunk(valid_records_frame([]), [QuarantinedRecord(books.file, EMPTY_FILE_REASON, b"")])
