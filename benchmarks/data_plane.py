@@ -145,6 +145,16 @@ def decode_all(path: Path, loads) -> int:
     return n
 
 
+def read_through(path: Path, block: int = 2**24) -> int:
+    """Read ``path`` to its end in ``block``-byte reads (bringing it into the page cache);
+    returns the bytes read."""
+    total = 0
+    with open(path, "rb", buffering=0) as handle:
+        while data := handle.read(block):
+            total += len(data)
+    return total
+
+
 def floor_seconds(path: Path, repeats: int) -> dict:
     """Seconds to read and decode ``path`` with each installed reader; the floor is the fastest.
 
@@ -153,8 +163,8 @@ def floor_seconds(path: Path, repeats: int) -> dict:
         seconds of each).
     """
     by_reader = {}
+    read_through(path)  # the page cache, warm as it was for the job (a decoding pass would cost ~50 s at 16M)
     for name, loads in json_readers().items():
-        decode_all(path, loads)  # warm the page cache and the reader
         by_reader[name] = summarize([time_call(decode_all, path, loads)[0] for _ in range(repeats)])
     best = min(by_reader, key=lambda n: by_reader[n]["median"])
     return {"reader": best, "seconds": by_reader[best], "by_reader": {n: s["median"] for n, s in by_reader.items()}}

@@ -77,6 +77,8 @@ def test_floor_decodes_every_record_line(tmp_path):
         handle.write(b"\n  \n")  # blank lines are not records
     for loads in data_plane.json_readers().values():
         assert data_plane.decode_all(tmp_path / "batch.jsonl", loads) == out["trajectories"]
+    size = (tmp_path / "batch.jsonl").stat().st_size
+    assert data_plane.read_through(tmp_path / "batch.jsonl", block=4096) == size
 
 
 def test_data_plane_quick_reports_every_size_and_the_floor_ratio():
