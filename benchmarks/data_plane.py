@@ -20,11 +20,11 @@ how many times slower than merely parsing JSON the whole data plane is.
 
 Sizes: about 1, 4 and 16 million steps, as the issue asks. Canonical JSONL of these logs is about
 590 bytes per step, so the 16 M batch is ~9 GB of JSON; the data plane streams it chunk by chunk
-(memory grows only with the number of trajectories). Each size's input is written just before it is measured and deleted after, and a size
-is skipped, with the reason in the results, when the disk cannot hold its input, snapshot and
-lake. One 16 M run takes about ten minutes on a 2-core machine, so the large sizes run once
-(:data:`FULL_REPEATS`); the spread comes from the repeats at 1 M. Even so the full ``make bench``
-takes longer than the issue's 20 minutes on such a machine (see the README).
+(memory grows only with the number of trajectories). Each size's input is written just before it
+is measured and deleted after, and a size is skipped, with the reason in the results, when the
+disk cannot hold its input, snapshot and lake. A 16 M run (register, job and floor) takes about
+five minutes on a 2-core machine, so the large sizes run once (:data:`FULL_REPEATS`); the spread
+comes from the repeats at 1 M.
 """
 
 from __future__ import annotations
