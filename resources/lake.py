@@ -204,7 +204,10 @@ class TrajectoryLake(ConfigurableResource):
         Raises:
             FileNotFoundError: the partition has not been materialised; the message names it.
         """
-        parquet = pq.ParquetFile(self._existing(table, batch))
+        # pre_buffer=False: with pyarrow's default (True) the reader kept the buffers it had read
+        # ahead for the whole iteration, so RSS grew by ~0.3 GB per 400k records read (measured on
+        # a 16M-step partition); without it memory stays flat and reading is no slower.
+        parquet = pq.ParquetFile(self._existing(table, batch), pre_buffer=False)
         batches = parquet.iter_batches(batch_size=rows, columns=columns)
 
         def next_frame() -> pl.DataFrame | None:
