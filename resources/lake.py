@@ -29,7 +29,6 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 from dagster import ConfigurableResource
 from pydantic import Field
