@@ -107,7 +107,7 @@ def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, m
     lines.insert(120, orjson.dumps({**orjson.loads(lines[0]), "trajectory_id": "x", "steps": "none"}))
     body = b"\n".join(lines) + b"\n"
 
-    def run(name: str, parse_workers: int = 1) -> TrajectoryLake:
+    def run(name: str, parse_workers: int = 1) -> tuple[TrajectoryLake, str]:
         landing, lake_root = tmp_path / name / "landing", tmp_path / name / "lake"
         (landing / "fleet").mkdir(parents=True)
         (landing / "fleet" / "runs.jsonl").write_bytes(body)

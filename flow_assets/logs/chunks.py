@@ -27,14 +27,13 @@ import polars as pl
 
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
-    EMPTY_FILE_REASON,
     Books,
     LineConverter,
     RecordError,
     read_line,
 )
 from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
-from flow_assets.logs.records import QuarantinedRecord, UnreadableLogError
+from flow_assets.logs.records import UnreadableLogError
 from flow_assets.logs.tables import CHUNK_BYTES, CHUNK_RECORDS, RecordChunk, chunk_records, valid_records_frame
 
 #: ``workers=0`` (auto) uses worker processes only for a file at least this large (bytes): below
@@ -288,5 +287,4 @@ def _parallel_chunks(
         for valid, bad in chunks:
             yield _settle(books, block, valid, bad)
     if books.records_read == 0:
-        books.records_read = 1
-        yield RecordChunk(valid_records_frame([]), [QuarantinedRecord(books.file, EMPTY_FILE_REASON, b"")])
+        yield RecordChunk(valid_records_frame([]), [books.empty_file()])

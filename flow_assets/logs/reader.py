@@ -46,7 +46,11 @@ LINE_CONVERTERS: dict[str, Callable[[Path], LineConverter]] = {
     "flat": flat.line_converter,
 }
 """JSONL format name → ``line_converter(path)``: the picklable per-line converter its parser uses,
-so lines of a large file can be validated in other processes (``flow_assets.logs.parallel``)."""
+so lines of a large file can be validated in other processes (``flow_assets.logs.chunks``)."""
+
+BLANK = "unknown"
+"""What :func:`resolve_format` says of an empty or whitespace-only file when asked to detect."""
+
 
 # How many non-blank lines detection inspects looking for a recognisable JSONL record, and how
 # many elements of a whole-file document it inspects for the expected keys: enough to step over
@@ -191,10 +195,6 @@ def stream_file(
     if fmt == BLANK:
         return empty_stream(path, BLANK)
     return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
-
-
-BLANK = "unknown"
-"""What :func:`resolve_format` says of an empty or whitespace-only file when asked to detect."""
 
 
 def resolve_format(path: str | Path, fmt: str = "auto") -> str:

@@ -106,8 +106,8 @@ def valid_records_frame(records: Sequence[CanonicalRecord]) -> pl.DataFrame:
     """:class:`CanonicalRecord` s as a frame of :data:`VALID_RECORDS_SCHEMA`, in order."""
     if not records:
         return pl.DataFrame(schema=VALID_RECORDS_SCHEMA)
-    columns = zip(*records)
-    return pl.DataFrame({name: list(values) for name, values in zip(CanonicalRecord._fields, columns)}, schema=VALID_RECORDS_SCHEMA)
+    columns = {name: list(values) for name, values in zip(CanonicalRecord._fields, zip(*records))}
+    return pl.DataFrame(columns, schema=VALID_RECORDS_SCHEMA)
 
 
 @dataclass(frozen=True)

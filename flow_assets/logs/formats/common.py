@@ -21,7 +21,7 @@ import orjson
 from pydantic import BeforeValidator, ValidationError
 
 from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError, ValidRecord
-from flow_assets.logs.schema import FiniteFloat, OptionalFiniteFloat, Trajectory
+from flow_assets.logs.schema import Trajectory
 
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
 EMPTY_FILE_REASON = "empty file: no records"
@@ -206,6 +206,12 @@ class Books:
         self.claim_id(trajectory.trajectory_id, where)
         return ValidRecord(trajectory, self.file, **position)
 
+    def empty_file(self) -> QuarantinedRecord:
+        """The one record of a file that held none (empty or whitespace only), counted as read,
+        so the empty arrival is visible and the books still balance."""
+        self.records_read = 1
+        return QuarantinedRecord(self.file, EMPTY_FILE_REASON, b"")
+
     def quarantine(self, error: RecordError, raw: bytes, **position: Any) -> QuarantinedRecord:
         """A quarantined record with its raw bytes and position."""
         return QuarantinedRecord(self.file, error.reason, raw, field=error.field, **position)
@@ -263,8 +269,7 @@ def empty_stream(path: Path, fmt: str) -> RecordStream:
     books = Books(path, fmt)
 
     def records() -> Iterator[Record]:
-        books.records_read = 1
-        yield QuarantinedRecord(str(path), EMPTY_FILE_REASON, b"")
+        yield books.empty_file()
 
     return RecordStream(books, records())
 
@@ -325,8 +330,7 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
             except OSError as error:
                 raise UnreadableLogError(str(path), f"read failed: {error}") from None
         if books.records_read == 0:
-            books.records_read = 1
-            yield QuarantinedRecord(str(path), EMPTY_FILE_REASON, b"")
+            yield books.empty_file()
 
     return RecordStream(books, records())
 

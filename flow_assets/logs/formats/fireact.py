@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict
 
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
-    FiniteFloat,
     RecordError,
     RecordStream,
     empty_stream,
@@ -38,7 +37,7 @@ from flow_assets.logs.formats.common import (
     stream_elements,
     require_document_shape,
 )
-from flow_assets.logs.schema import Outcome, Step, Trajectory
+from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
 FORMAT = "fireact"
 FINISH = "finish"

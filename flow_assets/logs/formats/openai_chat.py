@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
-    FiniteFloat,
     TaskId,
     load_document,
     RecordStream,
@@ -37,7 +36,7 @@ from flow_assets.logs.formats.common import (
     stream_elements,
     require_document_shape,
 )
-from flow_assets.logs.schema import Outcome, Step, Trajectory
+from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
 FORMAT = "tau-bench"
 THINK_TOOL = "think"

@@ -15,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
-    FiniteFloat,
-    OptionalFiniteFloat,
     TaskId,
     RecordStream,
     empty_stream,
@@ -25,7 +23,7 @@ from flow_assets.logs.formats.common import (
     require_document_shape,
 )
 from flow_assets.logs.formats.openai_chat import ChatMessage, chat_to_steps, prompt_fingerprint
-from flow_assets.logs.schema import Outcome, Trajectory
+from flow_assets.logs.schema import FiniteFloat, OptionalFiniteFloat, Outcome, Trajectory
 
 FORMAT = "tau2"
 
