@@ -62,7 +62,7 @@ def test_unknown_group_scope_is_refused():
 
 
 def _steps(n: int) -> pl.DataFrame:
-    return pl.DataFrame({"trajectory_id": ["x"] * n, "index": list(range(n))})
+    return pl.DataFrame({"trajectory_id": ["x"] * n, "index": list(range(n)), "kind": ["message"] * n})
 
 
 def test_broadcast_credit_gives_every_step_the_trajectory_advantage():
@@ -79,10 +79,20 @@ def test_discounted_credit_decays_towards_the_first_step():
 
 
 def test_discounted_credit_is_per_trajectory():
-    steps = pl.DataFrame({"trajectory_id": ["a", "a", "b"], "index": [0, 1, 0]})
+    steps = pl.DataFrame({"trajectory_id": ["a", "a", "b"], "index": [0, 1, 0], "kind": ["tool", "answer", "answer"]})
     adv = pl.DataFrame({"trajectory_id": ["a", "b"], "advantage": [1.0, 1.0]})
     out = step_advantages(steps, adv, CreditConfig("discounted", 0.9))
     assert out["advantage"].to_list() == pytest.approx([0.9, 1.0, 1.0])
+
+
+def test_discounted_credit_counts_turns_not_tool_results():
+    # a gateway rollout: turn (tool call), observation, turn (tool call), observation, turn (answer)
+    kinds = ["tool", "observation", "tool", "observation", "answer"]
+    steps = pl.DataFrame({"trajectory_id": ["a"] * 5, "index": list(range(5)), "kind": kinds})
+    out = step_advantages(steps, pl.DataFrame({"trajectory_id": ["a"], "advantage": [1.0]}), CreditConfig("discounted", 0.5))
+    # each step is discounted by the turns after it: turns get 0.25, 0.5, 1 (observations, which
+    # carry no tokens, the weight of the turn that follows them)
+    assert out["advantage"].to_list() == pytest.approx([0.25, 0.25, 0.5, 0.5, 1.0])
 
 
 def test_gamma_outside_unit_interval_is_refused():

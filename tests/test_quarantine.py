@@ -129,7 +129,7 @@ def test_unknown_step_kind_is_quarantined_with_its_step_index(corrupted):
     _, result, corruptions, _ = corrupted
     q = _by_line(result)[30]
     assert q.field == "steps.2.kind"
-    assert "'plan', 'tool', 'verify', 'answer' or 'message'" in q.reason
+    assert "'plan', 'tool', 'verify', 'answer', 'message' or 'observation'" in q.reason
 
 
 def test_nan_score_is_quarantined_with_its_field(corrupted):

@@ -21,20 +21,28 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 OptionalFiniteFloat = Annotated[float | None, Field(allow_inf_nan=False)]
 """Like :data:`FiniteFloat` but ``null`` allowed."""
 
-StepKind = Literal["plan", "tool", "verify", "answer", "message"]
-STEP_KINDS: tuple[str, ...] = ("plan", "tool", "verify", "answer", "message")
+StepKind = Literal["plan", "tool", "verify", "answer", "message", "observation"]
+STEP_KINDS: tuple[str, ...] = ("plan", "tool", "verify", "answer", "message", "observation")
+#: kinds that are the agent's own decisions; an ``observation`` (a tool result the environment
+#: returned, logged as its own step) is context, not a decision
+DECISION_KINDS: tuple[str, ...] = ("plan", "tool", "verify", "answer", "message")
 
 
 class Step(BaseModel):
-    """One agent decision inside a trajectory (an LLM turn) and its result.
+    """One agent decision inside a trajectory (an LLM turn) and its result, or an ``observation``
+    (a tool result the agent received, logged as its own step).
 
-    ``token_ids`` and ``logprobs`` are the sampled completion tokens of this turn and the
-    behaviour policy's log-probability of each (natural log, same length); they are present only
-    for rollouts of a trainable policy and make the GRPO importance ratio exact.
+    Token fields are present only for turns of a trainable policy captured by the gateway:
+    ``prompt_token_ids`` are the exact ids the policy was given for this turn (the chat template
+    rendered by the gateway), ``token_ids`` the sampled completion ids and ``logprobs`` the
+    behaviour policy's log-probability of each (natural log, same length, computed at
+    ``temperature``). Together they make the GRPO importance ratio exact: training consumes these
+    ids as they are and never re-tokenises text.
 
     Raises:
-        pydantic.ValidationError: on a wrong type, an unknown ``kind``, a non-finite number, or
-            ``token_ids``/``logprobs`` of different lengths.
+        pydantic.ValidationError: on a wrong type, an unknown ``kind``, a non-finite number,
+            ``token_ids``/``logprobs`` of different lengths, ``prompt_token_ids`` without
+            ``token_ids``, ``temperature < 0`` or ``top_p`` outside (0, 1].
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -50,12 +58,21 @@ class Step(BaseModel):
     duration_ms: OptionalFiniteFloat = Field(None, ge=0.0, description="wall time of the step, ms")
     token_ids: list[int] | None = None
     logprobs: list[FiniteFloat] | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="the exact prompt token ids of this turn (chat template rendered by the gateway)"
+    )
+    temperature: OptionalFiniteFloat = Field(
+        None, ge=0.0, description="sampling temperature of this turn; logprobs are log_softmax(logits / T) (T = 1 when 0)"
+    )
+    top_p: OptionalFiniteFloat = Field(None, gt=0.0, le=1.0, description="nucleus sampling threshold of this turn")
 
     @model_validator(mode="after")
     def _tokens_match_logprobs(self) -> Step:
         if self.logprobs is not None:
             if self.token_ids is None or len(self.token_ids) != len(self.logprobs):
                 raise ValueError("token_ids and logprobs must have the same length")
+        if self.prompt_token_ids is not None and self.token_ids is None:
+            raise ValueError("prompt_token_ids need the turn's token_ids")
         return self
 
 

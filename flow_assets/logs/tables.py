@@ -61,6 +61,9 @@ STEPS_SCHEMA = {
     "duration_ms": pl.Float64,
     "token_ids": pl.List(pl.Int64),
     "logprobs": pl.List(pl.Float64),
+    "prompt_token_ids": pl.List(pl.Int64),
+    "temperature": pl.Float64,
+    "top_p": pl.Float64,
 }
 
 
@@ -211,13 +214,16 @@ def trajectory_tables(record_json: Iterable[str], source: str) -> tuple[pl.DataF
         "outcome_success", "outcome_score", "n_steps", "timestamp", "metadata",
     )  # fmt: skip
     add_traj = [traj[name].append for name in traj_columns]
-    (s_tid, s_index, s_kind, s_module, s_tool, s_input, s_output, s_status, s_conf, s_ms, s_tokens, s_logprobs) = (
+    (
+        s_tid, s_index, s_kind, s_module, s_tool, s_input, s_output, s_status, s_conf, s_ms, s_tokens, s_logprobs,
+        s_prompt, s_temperature, s_top_p,
+    ) = (
         steps[name].append
         for name in (
             "trajectory_id", "index", "kind", "module", "tool", "input", "output", "status",
-            "confidence", "duration_ms", "token_ids", "logprobs",
-        )  # fmt: skip
-    )
+            "confidence", "duration_ms", "token_ids", "logprobs", "prompt_token_ids", "temperature", "top_p",
+        )
+    )  # fmt: skip
     sort_keys = orjson.OPT_SORT_KEYS
     for text in record_json:
         t = orjson.loads(text)
@@ -254,6 +260,9 @@ def trajectory_tables(record_json: Iterable[str], source: str) -> tuple[pl.DataF
             s_ms(get("duration_ms"))
             s_tokens(get("token_ids"))
             s_logprobs(get("logprobs"))
+            s_prompt(get("prompt_token_ids"))
+            s_temperature(get("temperature"))
+            s_top_p(get("top_p"))
     return (
         pl.DataFrame(traj, schema=TRAJECTORIES_SCHEMA),
         pl.DataFrame(steps, schema=STEPS_SCHEMA),
