@@ -9,9 +9,10 @@ temporary): ``base_policy_job`` (tiny model + SFT warm start), then rounds exact
 
 The split of one round's wall time (seconds):
 
-- ``collection_generation``: sampling the champion's rollouts (``collect_rollouts``' own timer);
+- ``collection_generation``: the champion's one-turn agents working through the in-process
+  gateway over HTTP (``collect_rollouts``' own timer: gateway start, HTTP, sampling, capture);
 - ``training``: the GRPO round (``policy_checkpoint``'s trainer timer);
-- ``evaluation``: candidate and champion answering the held-out tasks (``evaluation.json``);
+- ``evaluation``: candidate and champion agents on the held-out tasks (``evaluation.json``);
 - ``other_asset_work``: the rest of the time spent inside Dagster steps (the data plane on the
   batch, model loading, checkpoint and lake writes, verifier scoring, the gate, promotion);
 - ``dagster_overhead``: wall time outside any step (run launch and teardown, event log writes,
@@ -22,7 +23,6 @@ Each round is one repeat (the champion changes between rounds, the work per roun
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -32,6 +32,7 @@ from benchmarks.common import run_child, summarize
 
 FULL = {"rounds": 5, "sft_steps": 150, "tasks_per_batch": 64}
 QUICK = {"rounds": 1, "sft_steps": 10, "tasks_per_batch": 8}
+EVALUATION_TASKS = 200
 PARTS = ("collection_generation", "training", "evaluation", "other_asset_work", "dagster_overhead")
 
 
@@ -52,14 +53,16 @@ def round_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, th
     from flow_assets.definitions import build_definitions
     from flow_assets.demo import run_round
     from flow_assets.local import local_instance, run_job
+    from flow_assets.rounds import read_evaluation
+    from resources.tasks import TaskSourceResource
 
     root = Path(work)
     models = root / "models"
     instance = local_instance(root / "dagster_home")
-    defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(models))
+    defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(models), tasks=TaskSourceResource())
     started = time.perf_counter()
     base = run_job(
-        defs, instance, "base_policy_job", run_config={"ops": {"base_policy": {"config": {"sft_steps": sft_steps}}}}
+        defs, instance, "base_policy_job", run_config={"ops": {"base_policy": {"config": {"sft": {"steps": sft_steps}}}}}
     )
     if not base.success:
         raise RuntimeError("base_policy_job failed")
@@ -68,11 +71,14 @@ def round_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, th
     for k in range(1, rounds + 1):
         before = {r.run_id for r in instance.get_runs()}
         started = time.perf_counter()
-        line = run_round(defs, instance, models, k, {"tasks_per_batch": tasks_per_batch, "group_size": 8, "seed": 0})
+        line = run_round(
+            defs, instance, models, k, {"tasks_per_batch": tasks_per_batch, "group_size": 8, "seed": 0},
+            eval_config={"max_tasks": EVALUATION_TASKS},
+        )
         wall = time.perf_counter() - started
         runs = [r for r in instance.get_runs() if r.run_id not in before]
         steps = {f"{r.job_name}.{key}": s for r in runs for key, s in dagster_step_seconds(instance, r.run_id).items()}
-        evaluation = json.loads((models / "runs" / line["batch"] / "evaluation.json").read_text())["generation_seconds"]
+        evaluation = read_evaluation(models / "runs" / line["batch"]).generation_seconds
         collection = line["generation_seconds"] - evaluation
         inside = sum(steps.values())
         lines.append({
@@ -121,7 +127,7 @@ def run(quick: bool = False) -> dict:
     ]
     return {
         "what": "collect -> data plane -> GRPO round -> evaluation -> promotion, through Dagster (in process, SQLite instance)",
-        "settings": {**settings, "group_size": 8, "evaluation_tasks": 200, "torch_threads": torch.get_num_threads()},
+        "settings": {**settings, "group_size": 8, "evaluation_tasks": EVALUATION_TASKS, "torch_threads": torch.get_num_threads()},
         "base_policy_seconds": result["base_policy_seconds"],
         "rounds": rounds,
         "wall_seconds": wall,

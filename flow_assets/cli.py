@@ -1,4 +1,4 @@
-"""The ``flowopt`` command: ``demo``, ``ingest PATH...``, ``rollback``, ``schema``."""
+"""The ``flowopt`` command: ``demo``, ``ingest PATH...``, ``serve``, ``rollback``, ``schema``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,35 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from flow_assets.gateway.app import GatewayConfig
+    from flow_assets.gateway.server import serve_forever
+    from flow_assets.policy.store import PolicyStore
+
+    store = PolicyStore(models_root=args.models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
+    if not store.base_path.is_dir():
+        print(f"flowopt serve: no base model at {store.base_path} (run `make demo`, or pass --base-model)", file=sys.stderr)
+        return 2
+    if not store.registry_path.exists():
+        print(f"flowopt serve: no registry at {store.registry_path}: materialise base_policy first", file=sys.stderr)
+        return 2
+    config = GatewayConfig(
+        default_max_tokens=args.max_tokens,
+        batch_max_trajectories=args.batch_size,
+        batch_flush_seconds=args.flush_seconds,
+        rollout_timeout_s=args.rollout_timeout,
+        source=args.source,
+    )
+    gateway = store.make_gateway(args.landing, config=config)
+    print(
+        f"flowopt gateway: http://{args.host}:{args.port}/v1 serving {', '.join(gateway.resolver.names())}; "
+        f"rollouts land in {Path(args.landing) / args.source}",
+        flush=True,
+    )
+    serve_forever(gateway, args.host, args.port)
+    return 0
+
+
 def _rollback(args: argparse.Namespace) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
@@ -107,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--lake", default=".lake", help="lake directory (default .lake)")
     ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
     ingest.set_defaults(fn=_ingest)
+    serve = sub.add_parser("serve", help="the policy gateway: an OpenAI-compatible server that records rollouts")
+    serve.add_argument("--models", default=".models", help="the policy's models directory (default .models)")
+    serve.add_argument("--landing", default=".landing", help="landing directory rollouts land in (default .landing)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base)")
+    serve.add_argument("--max-tokens", type=int, default=256, help="completion cap for calls that set none (default 256)")
+    serve.add_argument("--source", default="gateway", help="landing sub-directory of rollouts that name no batch")
+    serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
+    serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")
+    serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands as an error after this many seconds")
+    serve.set_defaults(fn=_serve)
     rollback = sub.add_parser("rollback", help="restore the previous champion adapter in the registry")
     rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")

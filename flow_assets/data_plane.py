@@ -24,6 +24,7 @@ from dagster import (
 )
 from pydantic import Field
 
+from flow_assets.config import dagster_config
 from flow_assets.logs.chunks import read_chunks, worker_count
 from flow_assets.logs.schema import Trajectory
 from flow_assets.logs import tables
@@ -150,27 +151,15 @@ def trajectories(context: AssetExecutionContext, lake: TrajectoryLake) -> Materi
     )
 
 
-class RewardsConfig(Config):
-    """Weights of the reward terms (seed formula of DESIGN.md) and custom reward functions."""
+RewardsConfig = dagster_config(RewardConfig, "RewardsConfig")
+AdvantageRunConfig = dagster_config(AdvantageConfig, "AdvantageRunConfig")
+CreditRunConfig = dagster_config(CreditConfig, "CreditRunConfig")
 
-    outcome: float = Field(1.0, description="weight of the logged outcome (score, else success)")
-    tool_success: float = Field(0.1, description="added per successful tool call")
-    verify: float = Field(0.05, description="added per verify step")
-    step_penalty: float = Field(-0.01, description="added per step")
-    custom: dict[str, list[str]] = Field(
-        default_factory=dict,
-        description="agent type (agent_id before ':', or '*') -> 'module:function' reward fns",
-    )
 
-    def to_reward_config(self) -> RewardConfig:
-        """The pure-code config these fields describe."""
-        return RewardConfig(
-            outcome=self.outcome,
-            tool_success=self.tool_success,
-            verify=self.verify,
-            step_penalty=self.step_penalty,
-            custom={k: tuple(v) for k, v in self.custom.items()},
-        )
+class AdvantagesConfig(AdvantageRunConfig):
+    """Group normalisation (the advantage config's fields) and per-step credit assignment."""
+
+    credit: CreditRunConfig = Field(default_factory=CreditRunConfig, description="how a trajectory's advantage is shared among its steps")
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[trajectories])
@@ -178,7 +167,7 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     """Reward components per trajectory (outcome, tool success, verify, step penalty, custom)
     and their total ``reward``."""
     key = context.partition_key
-    cfg = config.to_reward_config()
+    cfg = config.to_pure()
     custom = None
     if cfg.custom:
         chunks = lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"])
@@ -204,16 +193,6 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     )
 
 
-class AdvantagesConfig(Config):
-    """Group normalisation and per-step credit assignment options."""
-
-    scale_by_std: bool = Field(True, description="GRPO std scaling; false = Dr. GRPO")
-    eps: float = Field(1e-4, description="added to the group std")
-    group_scope: str = Field("batch", description="'batch' or 'source' (same task_id across a source's batches)")
-    credit: str = Field("broadcast", description="'broadcast' or 'discounted'")
-    gamma: float = Field(0.9, description="discount per step for 'discounted' credit")
-
-
 @asset(
     partitions_def=log_batches,
     group_name=GROUP,
@@ -225,8 +204,8 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     """Group-normalised advantages per trajectory (``advantages``) and per step
     (``step_advantages``); zero-variance groups flagged and given advantage 0."""
     key = context.partition_key
-    adv_cfg = AdvantageConfig(config.scale_by_std, config.eps, config.group_scope)
-    credit_cfg = CreditConfig(config.credit, config.gamma)
+    adv_cfg = config.to_pure()
+    credit_cfg = config.credit.to_pure()
     own = lake.read_partition("rewards", key)
     if adv_cfg.group_scope == "batch":
         pool = own.with_columns(batch=pl.lit(key))
@@ -239,6 +218,15 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
             else own.clear().with_columns(batch=pl.lit(key))
         )
         pool = pl.concat([own.with_columns(batch=pl.lit(key)), others.select(own.columns + ["batch"])])
+    if adv_cfg.normalise_over == "turn":
+        steps_scan = (
+            lake.scan_partition("steps", key).with_columns(batch=pl.lit(key))
+            if adv_cfg.group_scope == "batch"
+            else lake.scan("steps").filter(pl.col("batch").is_in(pool["batch"].unique().to_list()))
+        )
+        pool = pool.join(_turn_counts(steps_scan), on=["batch", "trajectory_id"], how="left").with_columns(
+            pl.col("n_turns").fill_null(0)
+        )
     scored = group_advantages(pool.with_columns(group_key=pl.col("task_id")), adv_cfg)
     table = scored.filter(pl.col("batch") == key).drop("batch")
     lake.write_partition("advantages", key, table)
@@ -261,11 +249,21 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
             "groups_nonzero_advantage": n_groups - n_zero,
             "zero_variance_share": MetadataValue.float(n_zero / n_groups if n_groups else 0.0),
             "group_scope": adv_cfg.group_scope,
+            "normalise_over": adv_cfg.normalise_over,
             "credit": credit_cfg.mode,
             "advantage_histogram": histogram_markdown(table["advantage"]),
             "preview": preview_table(table),
         },
         check_results=[AssetCheckResult(check_name="advantages_finite", passed=finite, severity=AssetCheckSeverity.ERROR)],
+    )
+
+
+def _turn_counts(steps: pl.LazyFrame) -> pl.DataFrame:
+    """``batch, trajectory_id, n_turns``: each trajectory's decisions (steps that are not observations)."""
+    return (
+        steps.group_by("batch", "trajectory_id")
+        .agg(n_turns=(pl.col("kind") != "observation").sum().cast(pl.Int64))
+        .collect(engine="streaming")
     )
 
 

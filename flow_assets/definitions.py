@@ -4,7 +4,8 @@ Paths come from the environment so the same code serves the demo, CI and a deplo
 ``FLOWOPT_LAKE`` (default ``.lake``), ``FLOWOPT_LANDING`` (default ``.landing``) and
 ``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry), relative to
 the working directory of the process that loads the code location; ``FLOWOPT_BASE_MODEL`` points
-at a user's own model directory instead of the tiny demo model.
+at a user's own model directory instead of the tiny demo model. The trainable agent is the
+built-in calculator agent unless a ``tasks`` resource says otherwise.
 """
 
 import os
@@ -28,16 +29,18 @@ def build_resources(
     landing_dir: str | None = None,
     formats: dict[str, str] | None = None,
     models_root: str | None = None,
+    tasks: TaskSourceResource | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
-    ``formats`` maps landing-relative globs to parser names (default: detect by content).
+    ``formats`` maps landing-relative globs to parser names (default: detect by content);
+    ``tasks`` is the trainable agent's task source (default: the built-in calculator agent).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     return {
         "policy": PolicyModel(models_root=models, base_model_path=os.environ.get("FLOWOPT_BASE_MODEL") or None),
         "registry": AdapterRegistry(root=models),
-        "tasks": TaskSourceResource(),
+        "tasks": tasks or TaskSourceResource(kind="calculator"),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"), formats=formats or {}
@@ -50,13 +53,14 @@ def build_definitions(
     landing_dir: str | None = None,
     formats: dict[str, str] | None = None,
     models_root: str | None = None,
+    tasks: TaskSourceResource | None = None,
 ) -> Definitions:
-    """The Definitions object; tests and the CLI pass explicit paths."""
+    """The Definitions object; tests, the demo and the CLI pass explicit paths and task sources."""
     return Definitions(
         assets=[*data_plane_assets, *training_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job],
         sensors=[new_logs_sensor, training_round_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks),
     )
 
 

@@ -1,7 +1,7 @@
 """The adapter registry: which LoRA adapter is the champion, and how it got there.
 
-One JSON file (``<root>/registry.json``) holds the champion and the full history of promotions and
-rollbacks. Every write goes to a temporary file in the same directory, is fsync'ed, and is moved
+One JSON file (``<root>/registry.json``) holds the champion, the full history of promotions and
+rollbacks, and the latest round's candidate. Every write goes to a temporary file in the same directory, is fsync'ed, and is moved
 over the old file with ``os.replace``; a crash at any point leaves either the old registry or the
 new one, never a torn file.
 """
@@ -66,6 +66,17 @@ class AdapterRegistry(ConfigurableResource):
     def champion(self) -> dict[str, Any] | None:
         """The current champion entry (``version``, ``adapter_path``, ``metrics``) or ``None``."""
         return self.load()["champion"]
+
+    def candidate(self) -> dict[str, Any] | None:
+        """The adapter the latest training round produced (``adapter_path``, ``batch``,
+        ``parent_version``), which the gateway serves as ``model="candidate"``; or ``None``."""
+        return self.load().get("candidate")
+
+    def set_candidate(self, adapter_path: str, batch: str, parent_version: str) -> None:
+        """Record the latest round's candidate (not a promotion: the champion is unchanged)."""
+        content = self.load()
+        content["candidate"] = {"adapter_path": adapter_path, "batch": batch, "parent_version": parent_version, "at": time.time()}
+        self._write(content)
 
     def promote(
         self, version: str, adapter_path: str, metrics: dict[str, Any], by: str, reason: str, action: str = "promote"

@@ -1,14 +1,24 @@
-"""Task sources with verifiers, as a Dagster resource (the pure code is ``flow_assets.tasks``)."""
+"""Task sources with verifiers, and the agent that works on them, as a Dagster resource (the
+pure code is ``flow_assets.tasks`` and ``flow_assets.agents``)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flow_assets.agents.harness import AgentFn, load_agent
+from flow_assets.tasks.calculator import CalculatorSource, CalculatorSourceConfig
 from flow_assets.tasks.sources import JsonlSource, JsonlSourceConfig, ReasoningGymSource, ReasoningGymSourceConfig
+
+#: the built-in agent of each kind of task source
+DEFAULT_AGENTS = {
+    "reasoning_gym": "flow_assets.agents.builtin:one_turn_agent",
+    "jsonl": "flow_assets.agents.builtin:one_turn_agent",
+    "calculator": "flow_assets.agents.builtin:calculator_agent",
+}
 
 
 @lru_cache(maxsize=8)
@@ -21,19 +31,27 @@ def _reasoning_gym(name: str, size: int, seed: int, config_items: tuple, held_ou
     )
 
 
+@lru_cache(maxsize=8)
+def _calculator(size: int, seed: int, held_out_percent: int) -> CalculatorSource:
+    return CalculatorSource(CalculatorSourceConfig(size=size, seed=seed, held_out_percent=held_out_percent))
+
+
 class TaskSourceResource(ConfigurableResource):
-    """Where training and held-out tasks come from.
+    """Where training and held-out tasks come from, and which agent works on them.
 
     Attributes:
-        kind: ``"reasoning_gym"`` (a generated dataset) or ``"jsonl"`` (a file of
-            ``{task_id, query, reference}`` lines scored by ``verifier``).
+        kind: ``"reasoning_gym"`` (a generated dataset, one-turn), ``"jsonl"`` (a file of
+            ``{task_id, query, reference}`` lines scored by ``verifier``, one-turn) or
+            ``"calculator"`` (the built-in multi-turn tool-using task).
         name / dataset_config / size / seed: the reasoning-gym dataset (default ``spell_backward``
-            with 3-5 letter words).
+            with 3-5 letter words); ``size`` and ``seed`` also generate the calculator tasks.
         path / verifier: the JSONL file and its verifier (``exact``, ``exact_ci``, ``contains``).
         held_out_percent: share of task ids (by sha256) in the held-out split.
+        agent: the agent as ``module:function`` (an ``async`` function ``agent(client, task)``);
+            default: the built-in agent of ``kind``.
     """
 
-    kind: str = Field("reasoning_gym", description="'reasoning_gym' or 'jsonl'")
+    kind: Literal["reasoning_gym", "jsonl", "calculator"] = Field("reasoning_gym", description="task source kind")
     name: str = Field("spell_backward", description="reasoning-gym dataset name")
     dataset_config: dict[str, Any] = Field(
         default_factory=lambda: {"min_word_len": 3, "max_word_len": 5}, description="reasoning-gym config"
@@ -43,24 +61,33 @@ class TaskSourceResource(ConfigurableResource):
     path: str | None = Field(None, description="JSONL task file for kind='jsonl'")
     verifier: str = Field("exact", description="verifier for kind='jsonl'")
     held_out_percent: int = Field(20, description="held-out share of task ids, percent")
+    agent: str | None = Field(None, description="the agent, module:function; default: the kind's built-in agent")
 
-    def source(self) -> ReasoningGymSource | JsonlSource:
+    def source(self) -> ReasoningGymSource | JsonlSource | CalculatorSource:
         """The task source this configuration describes.
 
         Raises:
-            ValueError: unknown ``kind``, or ``kind='jsonl'`` without ``path``.
+            ValueError: ``kind='jsonl'`` without ``path``.
         """
         if self.kind == "reasoning_gym":
             return _reasoning_gym(
                 self.name, self.size, self.seed, tuple(sorted(self.dataset_config.items())), self.held_out_percent
             )
-        if self.kind == "jsonl":
-            if not self.path:
-                raise ValueError("task source kind 'jsonl' needs a path")
-            return JsonlSource(JsonlSourceConfig(path=self.path, verifier=self.verifier, held_out_percent=self.held_out_percent))
-        raise ValueError(f"unknown task source kind {self.kind!r} (expected 'reasoning_gym' or 'jsonl')")
+        if self.kind == "calculator":
+            return _calculator(self.size, self.seed, self.held_out_percent)
+        if not self.path:
+            raise ValueError("task source kind 'jsonl' needs a path")
+        return JsonlSource(JsonlSourceConfig(path=self.path, verifier=self.verifier, held_out_percent=self.held_out_percent))
+
+    def agent_fn(self) -> AgentFn:
+        """The agent function.
+
+        Raises:
+            AgentLoadError: ``agent`` does not name an async ``agent(client, task)``.
+        """
+        return load_agent(self.agent or DEFAULT_AGENTS[self.kind])
 
     @property
     def agent_id(self) -> str:
         """The agent id written on rollouts of the trainable policy for this task source."""
-        return f"flowopt:{self.name if self.kind == 'reasoning_gym' else 'jsonl'}"
+        return {"reasoning_gym": f"flowopt:{self.name}", "jsonl": "flowopt:jsonl", "calculator": "flowopt:calculator"}[self.kind]

@@ -12,7 +12,7 @@ def _rows(candidate: list[int], champion: list[int], mode: str = "sampled") -> p
     for policy, outcomes in (("candidate", candidate), ("champion", champion)):
         for i, ok in enumerate(outcomes):
             rows.append({"policy": policy, "mode": mode, "task_id": f"t{i:03d}", "success": bool(ok),
-                         "reward": float(ok), "completion_tokens": 5})
+                         "reward": float(ok), "completion_tokens": 5, "llm_calls": 1, "tool_calls": 0})
     return pl.DataFrame(rows)
 
 

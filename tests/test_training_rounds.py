@@ -14,23 +14,27 @@ from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
 
 from flow_assets.definitions import build_definitions
 from flow_assets.local import execute_requests, run_job, tick_sensor
+from flow_assets.rounds import EvaluationResult, RoundSummary, read_evaluation, read_round_summary
 from resources.registry import AdapterRegistry
+from resources.tasks import TaskSourceResource
 from tests.conftest import TAU_BENCH
 
 pytestmark = pytest.mark.slow
 
-BASE = {"ops": {"base_policy": {"config": {"sft_steps": 300, "sft_demonstrations": 300}}}}
+BASE = {"ops": {"base_policy": {"config": {"sft": {"steps": 300}, "sft_demonstrations": 300}}}}
 COLLECT = {"tasks_per_batch": 24, "group_size": 8}
 EVAL = {"max_tasks": 120}
 # a permissive gate, to exercise promotion itself (the default gate is "not worse")
-OPEN_GATE = {"min_gain": -1.0, "max_kl": 1e9}
+OPEN_GATE = {"gate": {"min_gain": -1.0, "max_kl": 1e9}}
 
 
 class World:
     def __init__(self, root: Path, instance: DagsterInstance):
         self.root, self.instance = root, instance
         self.models = root / "models"
-        self.defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(self.models))
+        self.defs = build_definitions(
+            str(root / "lake"), str(root / "landing"), models_root=str(self.models), tasks=TaskSourceResource()
+        )
         self.registry = AdapterRegistry(root=str(self.models))
         self.cursor = None
 
@@ -56,9 +60,9 @@ class World:
         config = {"ops": {"policy_checkpoint": {"config": train or {}}, "evaluation_report": {"config": {**EVAL, **(evaluation or {})}}}}
         return self.run("training_round_job", partition_key=key, run_config=config)
 
-    def round_files(self, key: str) -> tuple[dict, dict]:
+    def round_files(self, key: str) -> tuple[RoundSummary, EvaluationResult]:
         run_dir = self.models / "runs" / key
-        return json.loads((run_dir / "round.json").read_text()), json.loads((run_dir / "evaluation.json").read_text())
+        return read_round_summary(run_dir), read_evaluation(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +93,9 @@ def test_collected_batch_lands_with_behaviour_logprobs_and_gets_its_round(world)
     result = world.train(key, evaluation=OPEN_GATE)
     assert result.success
     summary, evaluation = world.round_files(key)
-    assert summary["parent_version"] == "v0" and summary["final_step"] > 0
-    assert all(map(lambda x: x == x and abs(x) < 1e6, summary["losses"]))
-    report = evaluation["report"]
+    assert summary.parent_version == "v0" and summary.final_step > 0
+    assert all(map(lambda x: x == x and abs(x) < 1e6, summary.losses))
+    report = evaluation.report
     for mode in ("greedy", "sampled"):
         assert report[mode]["n_tasks"] == EVAL["max_tasks"]
         for policy in ("candidate", "champion"):
@@ -115,9 +119,10 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
     result = world.train(key, train={"negate_advantages": True, "learning_rate": 0.02, "num_epochs": 4})
     assert not result.success
     summary, evaluation = world.round_files(key)
-    assert summary["negate_advantages"] is True
-    assert evaluation["gate"]["gain"]["passed"] is False
-    assert evaluation["report"]["sampled"]["gain"] < 0
+    assert summary.negate_advantages is True
+    gate = {r.name: r for r in evaluation.gate}
+    assert gate["gain"].passed is False
+    assert evaluation.report["sampled"]["gain"] < 0
     assert world.registry.champion() == before
     mats = world.instance.fetch_materializations(AssetKey("promoted_adapter"), limit=100).records
     assert key not in {r.partition_key for r in mats}

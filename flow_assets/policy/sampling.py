@@ -25,6 +25,7 @@ given (prompt ids, completion ids) pairs; the trainer uses it for ``logp_new``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,17 +123,36 @@ def sample_rollouts(
     prompts: list[str],
     config: SamplingConfig | None = None,
 ) -> list[Rollout]:
-    """Sample ``config.num_samples`` completions for every prompt, batched.
+    """Sample ``config.num_samples`` completions for every prompt text, batched.
+
+    Each prompt is encoded with the tokenizer's special tokens (``<bos>``), then sampled by
+    :func:`sample_token_ids`; see there for the returned rollouts and the errors raised.
+    """
+    return sample_token_ids(
+        model, tokenizer, [tokenizer(p)["input_ids"] if p else [] for p in prompts], config, texts=prompts
+    )
+
+
+def sample_token_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[list[int]],
+    config: SamplingConfig | None = None,
+    texts: list[str] | None = None,
+) -> list[Rollout]:
+    """Sample ``config.num_samples`` completions for every prompt given as token ids, batched.
 
     Args:
         model: a causal LM, plain or wrapped in a PEFT adapter; put in eval mode for the call and
             restored to its previous mode afterwards.
-        tokenizer: the policy's tokenizer (needs ``pad``, ``bos`` and ``eos`` tokens).
-        prompts: prompt texts; each is encoded with the tokenizer's special tokens (``<bos>``).
+        tokenizer: the policy's tokenizer (needs ``pad`` and ``eos`` tokens).
+        prompt_ids: ``[num_prompts][prompt_len]`` ids exactly as the policy is to be given them
+            (e.g. a rendered chat template); they are not re-encoded.
         config: sampling settings.
+        texts: the prompts' texts, stored on the rollouts (``""`` when not given).
 
     Returns:
-        ``len(prompts) * num_samples`` rollouts, prompt-major (prompt 0's samples first).
+        ``len(prompt_ids) * num_samples`` rollouts, prompt-major (prompt 0's samples first).
         A prompt that cannot be sampled (empty, or so long that prompt + ``max_new_tokens``
         exceeds the model's positions) yields rollouts with ``error`` set instead of raising; so
         does a sample whose log-probs are not finite.
@@ -146,12 +166,12 @@ def sample_rollouts(
         raise ValueError(f"invalid sampling config: {config}")
     if not 0 < config.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+    texts = texts or [""] * len(prompt_ids)
 
     results: dict[tuple[int, int], Rollout] = {}
     queue: list[tuple[int, int, list[int]]] = []  # (prompt_index, sample_index, prompt_ids)
     max_positions = _max_positions(model)
-    for p, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"] if prompt else []
+    for p, ids in enumerate(prompt_ids):
         error = None
         if not ids:
             error = "empty prompt"
@@ -162,7 +182,7 @@ def sample_rollouts(
             )
         for s in range(config.num_samples):
             if error:
-                results[(p, s)] = Rollout(p, s, prompt, list(ids), [], "", [], False, error)
+                results[(p, s)] = Rollout(p, s, texts[p], list(ids), [], "", [], False, error)
             else:
                 queue.append((p, s, list(ids)))
 
@@ -184,10 +204,10 @@ def sample_rollouts(
                 logp_all = F.log_softmax(logits / temperature, dim=-1)
                 logp = logp_all.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [batch, new]
                 for row, (p, s, ids) in enumerate(chunk):
-                    results[(p, s)] = _to_rollout(p, s, prompts[p], ids, new_tokens[row], logp[row], tokenizer)
+                    results[(p, s)] = _to_rollout(p, s, texts[p], ids, new_tokens[row], logp[row], tokenizer)
     finally:
         model.train(was_training)
-    return [results[(p, s)] for p in range(len(prompts)) for s in range(config.num_samples)]
+    return [results[(p, s)] for p in range(len(prompt_ids)) for s in range(config.num_samples)]
 
 
 def _to_rollout(
@@ -217,7 +237,7 @@ def completion_logprobs(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],
     pad_token_id: int,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probs of given completions, in one forward pass (differentiable).
 
@@ -230,21 +250,25 @@ def completion_logprobs(
         completion_ids: ``batch`` lists of completion token ids (may be empty).
         pad_token_id: id used for padding (masked out).
         temperature: logits are divided by it before the log-softmax (``0`` is treated as ``1``),
-            matching :func:`sample_rollouts`' behaviour log-probs.
+            matching :func:`sample_rollouts`' behaviour log-probs: one value for every row, or
+            ``batch`` values (each row at the temperature it was sampled at).
 
     Returns:
         ``logprobs: [batch, max_completion_len]`` natural-log probabilities of the completion tokens
         (0 at padding) and ``completion_mask: [batch, max_completion_len]`` (1.0 on real tokens).
 
     Raises:
-        ValueError: if the lists differ in length, are empty, or a prompt is empty.
+        ValueError: if the lists differ in length, are empty, a prompt is empty, or
+            ``temperature`` is a sequence of another length or has a negative value.
     """
     if len(prompt_ids) != len(completion_ids) or not prompt_ids:
         raise ValueError("prompt_ids and completion_ids must be non-empty lists of equal length")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token (e.g. <bos>)")
-    temperature = temperature if temperature > 0 else 1.0
     batch = len(prompt_ids)
+    temps = [float(temperature)] * batch if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if len(temps) != batch or any(t < 0 for t in temps):
+        raise ValueError(f"temperature must be >= 0, one value or {batch} values; got {temperature!r}")
     width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
     comp_width = max(1, max(len(c) for c in completion_ids))
     device = next(model.parameters()).device
@@ -270,7 +294,8 @@ def completion_logprobs(
     ).logits  # [batch, width, vocab]
     vocab = logits.shape[-1]
     picked = logits.gather(1, predict_at.to(device).unsqueeze(-1).expand(-1, -1, vocab))  # [batch, comp, vocab]
-    logp = F.log_softmax(picked.float() / temperature, dim=-1)
+    row_temperature = torch.tensor([t if t > 0 else 1.0 for t in temps], device=device).view(batch, 1, 1)
+    logp = F.log_softmax(picked.float() / row_temperature, dim=-1)
     logp = logp.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # [batch, comp]
     completion_mask = completion_mask.to(device)
     return logp * completion_mask, completion_mask

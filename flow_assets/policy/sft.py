@@ -80,27 +80,48 @@ def sft_train(
     demonstrations: list[tuple[str, str]],
     config: SFTConfig | None = None,
 ) -> SFTResult:
-    """Fine-tune ``model`` in place on the demonstrations; the model is left in eval mode.
+    """Fine-tune ``model`` in place on ``(prompt text, answer text)`` demonstrations (raw
+    prompts, no chat template; see :func:`sft_on_rows` for conversations rendered by one).
+
+    Raises:
+        ValueError: if there are no demonstrations or no trainable parameters.
+    """
+    if not demonstrations:
+        raise ValueError("no demonstrations")
+    prompts, answers = tokenize_demonstrations(tokenizer, demonstrations)
+    return sft_on_rows(model, list(zip(prompts, answers)), tokenizer.pad_token_id, config)
+
+
+def sft_on_rows(
+    model: PreTrainedModel,
+    rows: list[tuple[list[int], list[int]]],
+    pad_token_id: int,
+    config: SFTConfig | None = None,
+) -> SFTResult:
+    """Fine-tune ``model`` in place on ``(prompt ids, completion ids)`` rows; left in eval mode.
+
+    The rows of a chat demonstration come from
+    :func:`~flow_assets.policy.chat.conversation_rows` (one per assistant turn, the turn's
+    end-of-turn token included in its completion).
 
     Args:
         model: causal LM with trainable parameters.
-        tokenizer: its tokenizer (needs ``bos``/``eos``/``pad``).
-        demonstrations: ``(prompt text, answer text)`` pairs.
+        rows: token rows; only completion tokens carry loss.
+        pad_token_id: id used for padding.
         config: steps, learning rate, batch size, seed.
 
     Returns:
         :class:`SFTResult` with the per-step losses.
 
     Raises:
-        ValueError: if there are no demonstrations or no trainable parameters.
+        ValueError: if there are no rows or no trainable parameters.
     """
     config = config or SFTConfig()
-    if not demonstrations:
+    if not rows:
         raise ValueError("no demonstrations")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
-    prompts, answers = tokenize_demonstrations(tokenizer, demonstrations)
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     rng = np.random.default_rng(config.seed)
     order: list[int] = []
@@ -109,10 +130,10 @@ def sft_train(
     model.train()
     for _ in range(config.steps):
         if len(order) < config.batch_size:
-            order += rng.permutation(len(demonstrations)).tolist()
+            order += rng.permutation(len(rows)).tolist()
         batch, order = order[: config.batch_size], order[config.batch_size :]
         logp, mask = completion_logprobs(
-            model, [prompts[i] for i in batch], [answers[i] for i in batch], tokenizer.pad_token_id
+            model, [rows[i][0] for i in batch], [rows[i][1] for i in batch], pad_token_id
         )  # [batch, answer_len] each
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)

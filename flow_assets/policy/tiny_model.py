@@ -42,7 +42,9 @@ class TinyModelConfig:
         num_attention_heads: attention heads per block (``hidden_size`` must divide by it); key/value
             heads are the same number (no grouped-query attention at this size).
         max_position_embeddings: longest sequence in tokens (prompt + completion); also written into
-            the tokenizer as ``model_max_length``.
+            the tokenizer as ``model_max_length``. 128 holds a two-turn tool conversation of the
+            built-in calculator agent (~60 characters) with room to spare; rotary positions
+            have no parameters, so the size costs nothing until it is used.
         rope_theta: rotary embedding base.
         initializer_range: std of the normal initialisation of the weights.
         tie_word_embeddings: share the input embedding and the output head (fewer parameters).
@@ -53,7 +55,7 @@ class TinyModelConfig:
     intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 8
-    max_position_embeddings: int = 64
+    max_position_embeddings: int = 128
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True

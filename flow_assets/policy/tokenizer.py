@@ -11,7 +11,9 @@ Ids (fixed, so a saved model and a rebuilt tokenizer always agree)::
     0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. ' ' '!' ... '~' '\\t' '\\n'
 
 Encoding with ``add_special_tokens=True`` (the default) prepends ``<bos>``; ``<eos>`` is never added
-by the tokenizer: demonstrations append it explicitly and generation stops on it.
+by the tokenizer: demonstrations append it explicitly and generation stops on it. The tokenizer
+carries :data:`~flow_assets.policy.chat.COMPACT_CHAT_TEMPLATE` as its chat template (saved in
+``tokenizer_config.json``), so the gateway renders conversations for it like for any chat model.
 
 Round trip: for any text made of the vocabulary's characters that does not contain a special
 token's literal spelling (e.g. ``"<eos>"``), ``decode(encode(text), skip_special_tokens=True) == text``.
@@ -25,6 +27,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from flow_assets.policy.chat import COMPACT_CHAT_TEMPLATE
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -47,7 +51,7 @@ class CharTokenizerConfig:
             left padding (the sampler pads by itself anyway and does not rely on this).
     """
 
-    model_max_length: int = 64
+    model_max_length: int = 128
     padding_side: str = "left"
 
 
@@ -84,6 +88,7 @@ def build_char_tokenizer(config: CharTokenizerConfig | None = None) -> PreTraine
         clean_up_tokenization_spaces=False,
         padding_side=config.padding_side,
         model_max_length=config.model_max_length,
+        chat_template=COMPACT_CHAT_TEMPLATE,
     )
 
 

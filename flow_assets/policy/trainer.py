@@ -6,7 +6,8 @@ LoRA model whose adapter is trainable, and optionally a frozen reference model. 
 the clipped GRPO surrogate of :mod:`flow_assets.rl.grpo_loss` (DeepSeekMath 2024 eq. 3)::
 
     for step in 1..total_steps:
-        logp_new: [mb, seq]   = teacher-forced log-probs of the completion tokens (temperature T)
+        logp_new: [mb, seq]   = teacher-forced log-probs of the completion tokens, each row at
+                                its sample's own sampling temperature T (as the behaviour ones)
         logp_old: [mb, seq]   = the logged behaviour log-probs (rows without them: logp_new.detach())
         ref_logp: [mb, seq]   = reference log-probs (only when beta > 0)
         loss = grpo_loss(logp_new, logp_old, advantages[mb], mask, ref_logp)
@@ -76,6 +77,11 @@ class TrainingSample:
         behaviour_logprobs: ``[len(completion_ids)]`` log-probs at sampling time, or ``None`` (then the
             importance ratio is 1 at the current parameters).
         task_id: the group it came from (informational).
+        temperature: the temperature the completion was sampled at (``0`` = greedy, scored at
+            1). The behaviour log-probs are ``log_softmax(logits / T)``; the trainer divides the
+            new policy's logits by the same ``T``, so the importance ratio compares like with
+            like (TRL does the same with its one ``GRPOConfig.temperature``). A log without the
+            temperature is read as ``T = 1``.
     """
 
     prompt_ids: list[int]
@@ -83,6 +89,7 @@ class TrainingSample:
     advantage: float
     behaviour_logprobs: list[float] | None = None
     task_id: str | None = None
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,6 @@ class GRPOTrainerConfig:
             rates collapsed first.
         max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
         max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
-        temperature: the sampling temperature of the rollouts; the training logits are divided by
-            it (as TRL does) so that ``logp_new`` is comparable with the behaviour log-probs.
         loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
         seed: seeds minibatch order and the torch/numpy/python RNGs at the start of the round.
         checkpoint_every: save a checkpoint every this many steps (and always at the last step).
@@ -122,7 +127,6 @@ class GRPOTrainerConfig:
     minibatch_size: int = 256
     max_steps: int | None = None
     max_grad_norm: float = 1.0
-    temperature: float = 1.0
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     seed: int = 0
     checkpoint_every: int = 50
@@ -274,7 +278,7 @@ class GRPORoundTrainer:
         """sha256 over the samples' ids, advantages and log-probs (identifies the round's data)."""
         h = hashlib.sha256()
         for s in self.samples:
-            h.update(json.dumps([s.prompt_ids, s.completion_ids, s.advantage, s.behaviour_logprobs]).encode())
+            h.update(json.dumps([s.prompt_ids, s.completion_ids, s.advantage, s.behaviour_logprobs, s.temperature]).encode())
         return h.hexdigest()
 
     # ----------------------------------------------------------------------------- training
@@ -313,11 +317,10 @@ class GRPORoundTrainer:
         prompts = [s.prompt_ids for s in batch]
         completions = [s.completion_ids for s in batch]
         self.model.train()
-        logp_new, mask = completion_logprobs(
-            self.model, prompts, completions, self.pad_id, self.config.temperature
-        )  # [mb, seq] each
+        temperatures = [s.temperature for s in batch]
+        logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
         logp_old = self._behaviour_logprobs(batch, logp_new)  # [mb, seq]
-        ref_logp = self._reference_logprobs(prompts, completions) if self.config.loss.beta > 0 else None
+        ref_logp = self._reference_logprobs(prompts, completions, temperatures) if self.config.loss.beta > 0 else None
         advantages = torch.tensor([s.advantage for s in batch], dtype=logp_new.dtype)  # [mb]
         out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, self.config.loss)
         self.optimizer.zero_grad(set_to_none=True)
@@ -346,14 +349,17 @@ class GRPORoundTrainer:
                 logp_old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs, dtype=logp_old.dtype)
         return logp_old
 
-    def _reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-        """``[mb, seq]`` log-probs under the reference (the given model, else the adapter-free base)."""
+    def _reference_logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]], temperatures: list[float]
+    ) -> torch.Tensor:
+        """``[mb, seq]`` log-probs under the reference (the given model, else the adapter-free base),
+        each row at its sample's temperature."""
         with torch.no_grad():
             if self.ref_model is not None:
-                logp, _ = completion_logprobs(self.ref_model, prompts, completions, self.pad_id, self.config.temperature)
+                logp, _ = completion_logprobs(self.ref_model, prompts, completions, self.pad_id, temperatures)
             else:
                 with self.model.disable_adapter():
-                    logp, _ = completion_logprobs(self.model, prompts, completions, self.pad_id, self.config.temperature)
+                    logp, _ = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)
         return logp
 
     # ----------------------------------------------------------------------------- checkpoints

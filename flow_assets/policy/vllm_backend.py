@@ -34,8 +34,14 @@ class VLLMSampler:
         self._tokenizer = self._llm.get_tokenizer()
         self._lora_ids: dict[str, int] = {}
 
-    def sample(self, prompts: list[str], config: SamplingConfig, adapter_path: str | None = None) -> list[Rollout]:
-        """``len(prompts) * config.num_samples`` rollouts, prompt-major, with behaviour log-probs."""
+    def generate(self, adapter_path: str | None, prompt_ids: list[list[int]], config: SamplingConfig) -> list[Rollout]:
+        """The gateway's entry point: prompts given as token ids (vLLM's ``TokensPrompt``), never
+        re-encoded; otherwise as :meth:`sample`."""
+        return self.sample([{"prompt_token_ids": list(ids)} for ids in prompt_ids], config, adapter_path)
+
+    def sample(self, prompts: list, config: SamplingConfig, adapter_path: str | None = None) -> list[Rollout]:
+        """``len(prompts) * config.num_samples`` rollouts, prompt-major, with behaviour log-probs
+        (``prompts``: texts, or ``{"prompt_token_ids": [...]}`` token prompts)."""
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
@@ -64,7 +70,7 @@ class VLLMSampler:
                     Rollout(
                         prompt_index=i,
                         sample_index=j,
-                        prompt=prompts[i],
+                        prompt=prompts[i] if isinstance(prompts[i], str) else "",
                         prompt_ids=list(out.prompt_token_ids),
                         completion_ids=ids if error is None else [],
                         completion_text=comp.text,

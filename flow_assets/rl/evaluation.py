@@ -1,8 +1,9 @@
 """Candidate vs champion on the same held-out tasks: the numbers the promotion gate reads.
 
-Input: one row per (policy, mode, task) with ``success`` (bool), ``reward`` (verifier score in
-[0, 1]) and ``completion_tokens``; ``policy`` is ``"candidate"`` or ``"champion"``, ``mode`` is
-``"greedy"`` (temperature 0) or ``"sampled"`` (temperature 1, one sample per task, fixed seed).
+Input: one row per (policy, mode, task) of :data:`EVAL_SCHEMA`: ``success`` (bool), ``reward``
+(verifier score in [0, 1]), ``completion_tokens`` (all turns), ``llm_calls`` and ``tool_calls``
+of the agent's rollout; ``policy`` is ``"candidate"`` or ``"champion"``, ``mode`` is ``"greedy"``
+(temperature 0) or ``"sampled"`` (temperature 1, one sample per task).
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import polars as pl
 
 from flow_assets.rl.eval_stats import mcnemar_exact, mean_interval, paired_bootstrap, success_rate
 
+EVAL_SCHEMA = {
+    "policy": pl.String,
+    "mode": pl.String,
+    "task_id": pl.String,
+    "completion": pl.String,
+    "reward": pl.Float64,
+    "success": pl.Boolean,
+    "completion_tokens": pl.Int64,
+    "llm_calls": pl.Int64,
+    "tool_calls": pl.Int64,
+}
+
 POLICIES = ("candidate", "champion")
 MODES = ("greedy", "sampled")
 
@@ -22,12 +35,14 @@ def _policy_summary(rows: pl.DataFrame) -> dict:
         "success_rate": asdict(success_rate(rows["success"].to_list())),
         "avg_reward": asdict(mean_interval(rows["reward"].to_list())),
         "avg_completion_tokens": asdict(mean_interval(rows["completion_tokens"].cast(pl.Float64).to_list())),
+        "avg_llm_calls": asdict(mean_interval(rows["llm_calls"].cast(pl.Float64).to_list())),
+        "avg_tool_calls": asdict(mean_interval(rows["tool_calls"].cast(pl.Float64).to_list())),
     }
 
 
 def compare_policies(rows: pl.DataFrame, bootstrap_seed: int = 0) -> dict:
-    """Per mode: each policy's success rate (95% Wilson interval), mean reward and mean completion
-    length (95% t intervals), and the paired comparison of candidate vs champion: success-rate
+    """Per mode: each policy's success rate (95% Wilson interval), mean reward, completion length,
+    LLM calls and tool calls per rollout (95% t intervals), and the paired comparison of candidate vs champion: success-rate
     ``gain`` (absolute, candidate - champion), McNemar's exact test and a paired bootstrap of the
     reward difference.
 

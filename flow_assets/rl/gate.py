@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class GateConfig:
     max_kl: bound on the round's mean KL, nats per token.
     """
 
-    metric: str = "sampled"
+    metric: Literal["sampled", "greedy"] = "sampled"
     min_gain: float = 0.0
     require_significance: bool = False
     alpha: float = 0.05

@@ -14,8 +14,6 @@ Every component is returned on its own so that a user can see which term moved a
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from typing import Any
 
 import polars as pl
 
+from flow_assets.imports import import_function
 from flow_assets.logs.schema import Trajectory
 
 #: A custom reward function: ``fn(trajectory: Trajectory) -> float``. It receives the validated
@@ -74,20 +73,7 @@ def load_reward_fn(path: str) -> RewardFn:
         RewardFunctionError: the path is malformed, the module or attribute does not exist, or
             the object is not callable with one positional argument.
     """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardFunctionError(f"reward function {path!r}: expected 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardFunctionError(f"reward function {path!r}: {exc}") from exc
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function {path!r} is not callable")
-    try:
-        inspect.signature(fn).bind(None)
-    except TypeError as exc:
-        raise RewardFunctionError(f"reward function {path!r} must take one argument: {exc}") from exc
-    return fn
+    return import_function(path, "reward function", RewardFunctionError, 1)
 
 
 def resolve_custom(config: RewardConfig, agent_id: str) -> list[tuple[str, RewardFn]]:

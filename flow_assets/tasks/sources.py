@@ -62,7 +62,13 @@ class Task:
 
 
 class TaskSource(Protocol):
-    """What the pipeline needs from a task source."""
+    """What the pipeline needs from a task source.
+
+    ``tools`` are the OpenAI function specifications an agent of this source offers its policy
+    (empty for single-turn sources).
+    """
+
+    tools: tuple[dict[str, Any], ...]
 
     def tasks(self, split: Split | None = None) -> list[Task]:
         """The tasks, all or of one split, in a fixed order."""
@@ -71,6 +77,15 @@ class TaskSource(Protocol):
     def score(self, task: Task, answer: str | None) -> float:
         """The verifier's reward in ``[0, 1]`` for ``answer`` to ``task`` (1.0 = correct)."""
         ...
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """An expert's conversation on ``task`` (OpenAI messages), the SFT warm start's data."""
+        ...
+
+
+def single_turn_demonstration(task: Task) -> list[dict[str, Any]]:
+    """The one-turn conversation ``user: prompt, assistant: demonstration``."""
+    return [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": task.demonstration}]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,9 +152,15 @@ class ReasoningGymSource:
                 )
             )
 
+    tools: tuple[dict[str, Any], ...] = ()
+
     def tasks(self, split: Split | None = None) -> list[Task]:
         """All tasks, or those of ``split``, in generation order."""
         return [t for t in self._tasks if split is None or t.split == split]
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """:func:`single_turn_demonstration` (the reference answer)."""
+        return single_turn_demonstration(task)
 
     def score(self, task: Task, answer: str | None) -> float:
         """``dataset.score_answer(answer, entry)`` (for spell_backward: 1.0 exact, else partial credit
@@ -229,9 +250,15 @@ class JsonlSource:
                     )
                 )
 
+    tools: tuple[dict[str, Any], ...] = ()
+
     def tasks(self, split: Split | None = None) -> list[Task]:
         """All tasks, or those of ``split``, in file order."""
         return [t for t in self._tasks if split is None or t.split == split]
+
+    def demonstration(self, task: Task) -> list[dict[str, Any]]:
+        """:func:`single_turn_demonstration` (the reference answer)."""
+        return single_turn_demonstration(task)
 
     def score(self, task: Task, answer: str | None) -> float:
         """The named verifier's reward (0.0 for a missing answer)."""

@@ -1,0 +1,367 @@
+"""The policy gateway: an OpenAI-compatible chat completion server that records every rollout.
+
+Routes (all JSON; errors in OpenAI's shape, never a stack trace):
+
+    GET  /v1/models                         the model names served (policy, champion, candidate, v0...)
+    POST /v1/chat/completions               a chat completion (non-streaming)
+    POST /rollouts/{id}/v1/chat/completions the same, captured under rollout ``id`` (for clients
+                                            that cannot set the ``X-Agent-ID`` header)
+    POST /rollouts                          open one rollout or a list of them (task, batch,
+                                            sampling overrides; optional: a call with an unknown
+                                            ``X-Agent-ID`` opens one with defaults)
+    POST /rollouts/{id}/finish              close it with its outcome; it lands as a trajectory
+    POST /batches/{name}/close              land an open batch now (``.tmp`` renamed)
+    GET  /health                            counters
+
+A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
+is rendered with the policy's chat template, sampled by the dynamic batcher, its tool calls are
+parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
+(:mod:`flow_assets.gateway.capture`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
+from flow_assets.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
+from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine, UnknownModelError
+from flow_assets.gateway.landing import BatchLander, check_name
+from flow_assets.gateway.protocol import (
+    ChatCompletionRequest,
+    RolloutFinish,
+    RolloutOpen,
+    error_body,
+    validation_message,
+)
+from flow_assets.logs.schema import Outcome
+from flow_assets.policy.chat import render_prompt
+from flow_assets.policy.tool_calls import parse_tool_calls
+
+log = logging.getLogger("flowopt.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of one gateway.
+
+    Attributes:
+        max_batch_rows: most sequences generated together (dynamic batching).
+        max_wait_ms: how long the batcher waits for one more request, milliseconds.
+        default_max_tokens: completion cap when a request sets none (also capped by the context).
+        rollout_timeout_s: a rollout idle this long (no call, no finish) lands as an error.
+        batch_max_trajectories / batch_flush_seconds: when the rolling batch (rollouts that name
+            no batch) closes.
+        source: landing sub-directory of the rolling batch.
+        reap_every_s: how often idle rollouts and due batches are checked, seconds.
+        seed: seeds the sampling seeds of requests that bring none.
+    """
+
+    max_batch_rows: int = 256
+    max_wait_ms: float = 3.0
+    default_max_tokens: int = 256
+    rollout_timeout_s: float = 600.0
+    batch_max_trajectories: int = 1024
+    batch_flush_seconds: float = 300.0
+    source: str = "gateway"
+    reap_every_s: float = 5.0
+    seed: int = 0
+
+
+class Gateway:
+    """Everything one gateway process holds: the policy, the batcher, open rollouts, open batches.
+
+    Args:
+        engine: the policy (base model + adapters).
+        resolver: model name -> adapter.
+        landing: the landing directory finished rollouts go to.
+        config: settings.
+    """
+
+    def __init__(self, engine: PolicyEngine, resolver: AdapterResolver, landing: str | Path, config: GatewayConfig | None = None):
+        self.engine = engine
+        self.resolver = resolver
+        self.config = config or GatewayConfig()
+        self.batcher = DynamicBatcher(engine.generate, self.config.max_batch_rows, self.config.max_wait_ms, self.config.seed)
+        self.recorder = RolloutRecorder(self.config.rollout_timeout_s)
+        self.lander = BatchLander(
+            landing, self.config.source, self.config.batch_max_trajectories, self.config.batch_flush_seconds
+        )
+        self.calls = 0
+
+    def land(self, trajectory, settings: RolloutSettings) -> str | None:
+        """Hand a finished rollout to its batch (unless it must not land); returns the batch."""
+        if not settings.land:
+            return None
+        return self.lander.add(trajectory, settings.batch, settings.source)
+
+    def housekeeping(self, everything: bool = False) -> None:
+        """Land idle rollouts as errors and close due batches (everything, when stopping)."""
+        for trajectory, settings in self.recorder.reap(everything=everything):
+            self.land(trajectory, settings)
+        if everything:
+            self.lander.close_all()
+        else:
+            self.lander.close_due()
+
+    def close(self) -> None:
+        """Land what is open and stop the batcher."""
+        self.housekeeping(everything=True)
+        self.batcher.close()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def _cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], text: str, stops: list[str] | None):
+    """Cut a completion at the first stop string: ``(ids, logprobs, text, stopped)``. The ids keep
+    the token that completed the stop string (it was sampled); the text ends before it."""
+    hits = [(text.find(s), s) for s in stops or () if s in text]
+    if not hits:
+        return ids, logprobs, text, False
+    pos, stop = min(hits)
+    for k in range(1, len(ids) + 1):
+        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= pos + len(stop):
+            return ids[:k], logprobs[:k], text[:pos], True
+    return ids, logprobs, text[:pos], True
+
+
+def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
+    content = []
+    for token_id, lp in zip(ids, logprobs):
+        token = tokenizer.decode([token_id])
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    return {"content": content}
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The FastAPI application serving ``gateway`` (module docstring)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def reaper():
+            while True:
+                await asyncio.sleep(gateway.config.reap_every_s)
+                gateway.housekeeping()
+
+        task = asyncio.create_task(reaper())
+        try:
+            yield
+        finally:
+            task.cancel()
+            gateway.housekeeping(everything=True)
+
+    app = FastAPI(title="flowopt policy gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    tokenizer = gateway.engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors) or (
+            len(errors) == 1 and tuple(errors[0].get("loc", ())) == ("body",)
+        ):
+            return _error(400, "We could not parse the JSON body of your request.", code="invalid_json")
+        message, param = validation_message(exc)
+        return _error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("gateway error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "calls": gateway.calls,
+            "open_rollouts": gateway.recorder.open_count,
+            "open_batches": gateway.lander.open_batches(),
+            "landed_batches": [str(p) for p in gateway.lander.landed],
+            "generation_batches": gateway.batcher.batches,
+            "generated_sequences": gateway.batcher.rows,
+        }
+
+    @app.get("/v1/models")
+    @app.get("/rollouts/{rollout_id}/v1/models")
+    async def models(rollout_id: str | None = None) -> dict:
+        data = []
+        for name in gateway.resolver.names():
+            ref = gateway.resolver.resolve(name)
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "flowopt", "root": ref.version})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, x_agent_id: str | None = Header(None)):
+        return await _chat(body, x_agent_id)
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
+    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest):
+        return await _chat(body, rollout_id)
+
+    async def _chat(req: ChatCompletionRequest, rollout_id: str | None):
+        started = time.perf_counter()
+        if req.stream:
+            return _error(400, "stream=true is not supported by the flowopt gateway", param="stream")
+        settings = None
+        if rollout_id:
+            try:
+                settings = gateway.recorder.settings(rollout_id)
+            except RolloutError as exc:
+                return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        name = settings.model if settings and settings.model else req.model
+        try:
+            ref = gateway.resolver.resolve(name)
+        except UnknownModelError as exc:
+            return _error(404, str(exc), param="model", code="model_not_found")
+        temperature = settings.temperature if settings and settings.temperature is not None else req.temperature
+        top_p = settings.top_p if settings and settings.top_p is not None else req.top_p
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            _, prompt_ids = render_prompt(tokenizer, messages, tools)
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            return _error(400, f"the messages cannot be rendered with the policy's chat template: {exc}", param="messages")
+        context = gateway.engine.max_positions
+        requested = req.max_completion_tokens or req.max_tokens
+        max_tokens = requested or gateway.config.default_max_tokens
+        if context is not None:
+            if requested is None:
+                max_tokens = min(max_tokens, context - len(prompt_ids))
+            if max_tokens < 1 or len(prompt_ids) + max_tokens > context:
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context} tokens. However, you requested "
+                    f"{len(prompt_ids) + max(max_tokens, 1)} tokens ({len(prompt_ids)} in the messages, "
+                    f"{max(max_tokens, 1)} in the completion).",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+        work = GenerationRequest(ref.path, prompt_ids, req.n, temperature, top_p, max_tokens, req.seed)
+        rollouts = await asyncio.wrap_future(gateway.batcher.submit(work))
+        failed = next((r.error for r in rollouts if r.error), None)
+        if failed:
+            return _error(400, failed, param="messages")
+        choices, out_choices = [], []
+        for index, rollout in enumerate(rollouts):
+            text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+            ids, lps, text, stopped = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
+            parsed = parse_tool_calls(text, gateway.engine.tool_call_format, None if req.tool_choice == "none" else tools)
+            calls = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
+            reason = "tool_calls" if calls else ("stop" if rollout.finished or stopped else "length")
+            choices.append(Choice(ids, lps, text, parsed.content, calls, reason))
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else text}
+            if calls:
+                message["tool_calls"] = calls
+            out_choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": _logprobs_payload(tokenizer, ids, lps) if req.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        gateway.calls += 1
+        if rollout_id:
+            turn = Turn(messages, prompt_ids, choices, name, ref.version, temperature, top_p, latency_ms)
+            try:
+                gateway.recorder.record(rollout_id, turn)
+            except RolloutError as exc:
+                return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        completion_tokens = sum(len(c.completion_ids) for c in choices)
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": name,
+                "system_fingerprint": ref.version,
+                "choices": out_choices,
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": len(prompt_ids) + completion_tokens,
+                },
+            },
+            headers={"X-Flowopt-Adapter-Version": ref.version},
+        )
+
+    @app.post("/rollouts")
+    async def open_rollouts(body: RolloutOpen | list[RolloutOpen]):
+        items = body if isinstance(body, list) else [body]
+        ids = []
+        for item in items:
+            try:
+                for kind, value in (("batch", item.batch), ("source", item.source)):
+                    if value is not None:
+                        check_name(kind, value)
+                if item.model is not None:
+                    gateway.resolver.resolve(item.model)
+                fields = item.model_dump(exclude={"rollout_id"})
+                ids.append(gateway.recorder.open(RolloutSettings(**fields), item.rollout_id))
+            except UnknownModelError as exc:
+                return _error(404, str(exc), param="model", code="model_not_found")
+            except (RolloutError, ValueError) as exc:
+                return _error(400, str(exc))
+        return {"ids": ids} if isinstance(body, list) else {"id": ids[0]}
+
+    @app.post("/rollouts/{rollout_id}/finish")
+    async def finish(rollout_id: str, body: RolloutFinish):
+        if body.error is None and body.success is None and body.score is None:
+            return _error(400, "finish needs 'success' or 'score' (or an 'error')", param="success")
+        outcome = None if body.error is not None else Outcome(success=body.success, score=body.score)
+        error = {"kind": body.error_kind, "message": body.error} if body.error is not None else None
+        try:
+            trajectory, settings = gateway.recorder.finish(
+                rollout_id, outcome, body.final_answer, body.metadata, error,
+                task_id=body.task_id, query=body.query, agent_id=body.agent_id,
+            )  # fmt: skip
+        except RolloutError as exc:
+            return _error(404, str(exc), param="rollout_id", code="rollout_not_found")
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            return _error(400, f"the rollout is not a valid trajectory: {message}", param=param)
+        batch = gateway.land(trajectory, settings)
+        return {
+            "trajectory_id": trajectory.trajectory_id,
+            "batch": batch,
+            "steps": len(trajectory.steps),
+            "llm_calls": trajectory.metadata["llm_calls"],
+            "tool_calls": trajectory.metadata["tool_calls"],
+            "completion_tokens": trajectory.metadata["completion_tokens"],
+            "error": trajectory.metadata.get("error"),
+        }
+
+    @app.post("/batches/{name}/close")
+    async def close_batch(name: str):
+        count = gateway.lander.open_batches().get(name, 0)
+        path = gateway.lander.close(name)
+        return {"batch": name, "path": str(path) if path else None, "trajectories": count}
+
+    return app

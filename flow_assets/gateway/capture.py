@@ -1,0 +1,370 @@
+"""Capture: the calls of one rollout, recorded as sampled, become one canonical trajectory.
+
+A rollout is one ephemeral agent on one task. Every chat completion it makes through the gateway
+is recorded as a :class:`Turn`: the messages it sent, the exact prompt ids the gateway rendered,
+the sampled completion ids with their behaviour log-probs, the sampling settings, the adapter
+version that answered, its latency and the tool calls parsed out of it. When the rollout is
+finished (or given up on) its turns become one :class:`~flow_assets.logs.schema.Trajectory`:
+
+    for each turn k:   a step carrying the turn's tokens
+                       kind "tool" (it called a tool; ``tool`` = the first call's name,
+                       ``input`` = the calls), "answer" (the last turn, no call) or "message"
+    then for each call of turn k that a later request answered (a ``tool`` message with its
+    ``tool_call_id``): an "observation" step with the tool's name, arguments and result, and
+    no tokens (a tool result is context the policy reads, never trained).
+
+A call's ``status`` is ``"error"`` when its result text starts with ``Error`` (the tau-bench
+convention; OpenAI's tool messages carry no error flag), and so is the turn that made it.
+
+A rollout that fails (the agent raised, hung, never called the model, or was never finished)
+still lands: outcome
+``success: false, score: 0`` and ``metadata.error = {"kind", "message"}``, with every turn it
+made. Nothing the gateway sampled is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from flow_assets.logs.schema import Outcome, Step, Trajectory
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sampled completion of a call.
+
+    Attributes:
+        completion_ids: sampled ids (the end-of-turn token included when produced).
+        logprobs: ``[len(completion_ids)]`` behaviour log-probs, natural log, at the call's temperature.
+        text: the completion decoded without special tokens (stop string removed).
+        content: the text outside tool calls (``None`` when there is none).
+        tool_calls: OpenAI ``tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments``).
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One chat completion call of a rollout, as the gateway served it.
+
+    Attributes:
+        messages: the request's messages, as sent.
+        prompt_ids: the rendered chat template, token ids (what the policy was given).
+        choices: the ``n`` completions (an agent usually asks for one).
+        model: the model name the request asked for; ``adapter_version`` the version that answered.
+        temperature / top_p: the sampling settings used (after any rollout override).
+        latency_ms: wall time from request to response, milliseconds.
+    """
+
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    choices: list[Choice]
+    model: str
+    adapter_version: str
+    temperature: float
+    top_p: float
+    latency_ms: float
+
+
+@dataclass
+class RolloutSettings:
+    """What the harness (or a user) says about a rollout when it opens it; all optional.
+
+    Attributes:
+        task_id / query / agent_id: the canonical trajectory's fields (``query`` defaults to the
+            first user message; ``task_id`` and ``agent_id`` may also come with ``finish``).
+        trajectory_id: defaults to the rollout id.
+        batch: the log batch it lands in (``None``: the gateway's rolling batch).
+        source: the landing sub-directory of that batch (default: the gateway's).
+        land: ``False`` for rollouts that must not become training logs (held-out evaluation).
+        model: serve this model name whatever the agent asks for (evaluation of a candidate).
+        temperature / top_p: override the agent's sampling settings (collection at T = 1,
+            greedy evaluation at T = 0); the settings used are recorded either way.
+        metadata: merged into the trajectory's metadata.
+    """
+
+    task_id: str | None = None
+    query: str | None = None
+    agent_id: str | None = None
+    trajectory_id: str | None = None
+    batch: str | None = None
+    source: str | None = None
+    land: bool = True
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OpenRollout:
+    """A rollout between its first call (or open) and its finish."""
+
+    rollout_id: str
+    settings: RolloutSettings
+    turns: list[Turn] = field(default_factory=list)
+    opened_at: float = 0.0
+    last_activity: float = 0.0
+    started_at: float = field(default_factory=time.time)
+
+
+class RolloutError(ValueError):
+    """A rollout request cannot be served (unknown or already finished rollout, missing task id)."""
+
+
+def _is_error(result: Any) -> bool:
+    return isinstance(result, str) and result.lstrip().startswith("Error")
+
+
+def _chosen(turn: Turn, next_turn: Turn | None) -> Choice:
+    """The choice the agent continued with: the one whose tool calls or content the next request
+    sent back as an assistant message; else the first."""
+    if next_turn is not None and len(turn.choices) > 1:
+        sent = [m for m in next_turn.messages[len(turn.messages) :] if m.get("role") == "assistant"][:1]
+        for choice in turn.choices:
+            if sent and (
+                {c["id"] for c in choice.tool_calls} & {c.get("id") for c in sent[0].get("tool_calls") or []}
+                or (choice.content is not None and choice.content == sent[0].get("content"))
+            ):
+                return choice
+    return turn.choices[0]
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads(call["function"]["arguments"])
+    except (json.JSONDecodeError, TypeError, KeyError):
+        return call.get("function", {}).get("arguments")
+
+
+def turn_steps(turns: list[Turn]) -> list[Step]:
+    """The steps of a rollout's turns (module docstring), indexed 0..n-1."""
+    steps: list[dict[str, Any]] = []
+    for k, turn in enumerate(turns):
+        nxt = turns[k + 1] if k + 1 < len(turns) else None
+        choice = _chosen(turn, nxt)
+        results = {}
+        if nxt is not None:
+            results = {m.get("tool_call_id"): m.get("content") for m in nxt.messages if m.get("role") == "tool"}
+        calls = choice.tool_calls
+        answered = [(c, results[c["id"]]) for c in calls if c["id"] in results]
+        kind = "tool" if calls else ("answer" if nxt is None else "message")
+        steps.append(
+            dict(
+                kind=kind,
+                module="policy",
+                tool=calls[0]["function"]["name"] if calls else None,
+                input={"tool_calls": [{"id": c["id"], "name": c["function"]["name"], "arguments": _arguments(c)} for c in calls]}
+                if calls else None,
+                output=choice.text,
+                status="error" if any(_is_error(r) for _, r in answered) else "ok",
+                duration_ms=turn.latency_ms,
+                token_ids=list(choice.completion_ids),
+                logprobs=list(choice.logprobs),
+                prompt_token_ids=list(turn.prompt_ids),
+                temperature=turn.temperature,
+                top_p=turn.top_p,
+            )
+        )  # fmt: skip
+        for call, result in answered:
+            steps.append(
+                dict(
+                    kind="observation",
+                    tool=call["function"]["name"],
+                    input=_arguments(call),
+                    output=result,
+                    status="error" if _is_error(result) else "ok",
+                )
+            )
+    return [Step(index=i, **s) for i, s in enumerate(steps)]
+
+
+def _first_user_message(turns: list[Turn]) -> str:
+    for turn in turns[:1]:
+        for m in turn.messages:
+            if m.get("role") == "user":
+                content = m.get("content")
+                if isinstance(content, list):
+                    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                return content or ""
+    return ""
+
+
+def build_trajectory(
+    rollout: OpenRollout,
+    outcome: Outcome,
+    final_answer: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    error: dict[str, str] | None = None,
+) -> Trajectory:
+    """The canonical trajectory of a finished rollout.
+
+    ``final_answer`` defaults to the content of the last turn when it made no tool call; an
+    ``error`` (``{"kind", "message"}``) makes the outcome a failure with score 0.
+
+    Raises:
+        pydantic.ValidationError: the result is not a valid trajectory (e.g. empty ``task_id``).
+    """
+    s = rollout.settings
+    turns = rollout.turns
+    if final_answer is None and turns:
+        last = _chosen(turns[-1], None)
+        final_answer = last.content if not last.tool_calls else None
+    steps = turn_steps(turns)
+    meta = {
+        **s.metadata,
+        **(metadata or {}),
+        "rollout_id": rollout.rollout_id,
+        "llm_calls": len(turns),
+        "tool_calls": sum(1 for st in steps if st.kind == "observation"),
+        "prompt_tokens": sum(len(t.prompt_ids) for t in turns),
+        "completion_tokens": sum(len(st.token_ids or []) for st in steps),
+    }
+    versions = list(dict.fromkeys(t.adapter_version for t in turns))
+    if len(versions) > 1:
+        meta["adapter_versions"] = versions
+    if error is not None:
+        meta["error"] = error
+        outcome = Outcome(success=False, score=0.0)
+    return Trajectory(
+        trajectory_id=s.trajectory_id or rollout.rollout_id,
+        task_id=s.task_id or f"rollout:{rollout.rollout_id}",
+        agent_id=s.agent_id or "gateway",
+        adapter_version=versions[0] if versions else None,
+        query=s.query if s.query is not None else _first_user_message(turns),
+        steps=steps,
+        final_answer=final_answer,
+        outcome=outcome,
+        timestamp=datetime.fromtimestamp(rollout.started_at, timezone.utc).isoformat(),
+        metadata=meta,
+    )
+
+
+class RolloutRecorder:
+    """Open rollouts by id, their turns, and their trajectories when they finish.
+
+    Thread-safe (the gateway's event loop and its reaper share it).
+
+    Args:
+        timeout_s: a rollout without activity for this long is finished as an error by
+            :meth:`reap` (kind ``not_finished``).
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, timeout_s: float = 600.0, clock=time.monotonic):
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._open: dict[str, OpenRollout] = {}
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+
+    def open(self, settings: RolloutSettings, rollout_id: str | None = None) -> str:
+        """Open a rollout (the id is made when not given).
+
+        Raises:
+            RolloutError: the id is in use or already finished.
+        """
+        rollout_id = rollout_id or uuid.uuid4().hex
+        with self._lock:
+            if rollout_id in self._open or rollout_id in self._finished:
+                raise RolloutError(f"rollout {rollout_id!r} already exists")
+            now = self.clock()
+            self._open[rollout_id] = OpenRollout(rollout_id, settings, opened_at=now, last_activity=now)
+        return rollout_id
+
+    def settings(self, rollout_id: str) -> RolloutSettings:
+        """The settings of a rollout, opening it with defaults on its first call (a client that
+        only sends ``X-Agent-ID``).
+
+        Raises:
+            RolloutError: the rollout was already finished.
+        """
+        with self._lock:
+            if rollout_id in self._finished:
+                raise RolloutError(f"rollout {rollout_id!r} is already finished")
+            if rollout_id not in self._open:
+                now = self.clock()
+                self._open[rollout_id] = OpenRollout(rollout_id, RolloutSettings(), opened_at=now, last_activity=now)
+            return self._open[rollout_id].settings
+
+    def record(self, rollout_id: str, turn: Turn) -> None:
+        """Append a served call to its rollout.
+
+        Raises:
+            RolloutError: the rollout is not open (finished meanwhile).
+        """
+        with self._lock:
+            rollout = self._open.get(rollout_id)
+            if rollout is None:
+                raise RolloutError(f"rollout {rollout_id!r} is not open")
+            rollout.turns.append(turn)
+            rollout.last_activity = self.clock()
+
+    def finish(
+        self,
+        rollout_id: str,
+        outcome: Outcome | None,
+        final_answer: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        error: dict[str, str] | None = None,
+        **settings: Any,
+    ) -> tuple[Trajectory, RolloutSettings]:
+        """Close a rollout: its trajectory and settings (where it is to land). ``settings``
+        (``task_id``, ``query``, ``agent_id``) fill what the rollout was opened without.
+
+        Raises:
+            RolloutError: unknown or already finished rollout, or neither outcome nor error.
+            pydantic.ValidationError: the trajectory is invalid (the rollout stays open).
+        """
+        if outcome is None and error is None:
+            raise RolloutError("finish needs an outcome (success or score) or an error")
+        with self._lock:
+            rollout = self._open.get(rollout_id)
+            if rollout is None:
+                state = "already finished" if rollout_id in self._finished else "unknown"
+                raise RolloutError(f"rollout {rollout_id!r} is {state}")
+            for name, value in settings.items():
+                if value is not None and getattr(rollout.settings, name) is None:
+                    setattr(rollout.settings, name, value)
+            if not rollout.turns and error is None:
+                error = {"kind": "no_llm_call", "message": "the rollout finished without calling the model"}
+            trajectory = build_trajectory(rollout, outcome or Outcome(success=False, score=0.0), final_answer, metadata, error)
+            del self._open[rollout_id]
+            self._finished.add(rollout_id)
+        return trajectory, rollout.settings
+
+    def reap(self, reason: str = "not_finished", everything: bool = False) -> list[tuple[Trajectory, RolloutSettings]]:
+        """Finish as errors the rollouts idle for longer than ``timeout_s`` (every open one with
+        ``everything``, when the gateway stops)."""
+        now = self.clock()
+        with self._lock:
+            stale = [r for r in self._open.values() if everything or now - r.last_activity > self.timeout_s]
+        landed = []
+        for rollout in stale:
+            message = (
+                "the gateway stopped before the rollout was finished" if everything
+                else f"no call and no finish for {now - rollout.last_activity:.0f} s (timeout {self.timeout_s:.0f} s)"
+            )  # fmt: skip
+            try:
+                landed.append(self.finish(rollout.rollout_id, None, error={"kind": reason, "message": message}))
+            except RolloutError:
+                continue  # finished meanwhile
+        return landed
+
+    @property
+    def open_count(self) -> int:
+        """Rollouts open now."""
+        return len(self._open)

@@ -1,0 +1,191 @@
+"""The policy behind the gateway: one base model, LoRA adapters by name, sampled from token ids.
+
+The base model is loaded once (``from_pretrained``, as everywhere in flowopt); every adapter the
+gateway is asked for is loaded onto it with PEFT under its own name, and a generation call
+activates the one it needs. So champion, challenger and any registry version share one copy of
+the base weights, however many of them are served.
+
+Model names (the ``model`` field of a request) resolve through :class:`AdapterResolver`:
+
+    policy, champion   the registry's champion
+    candidate          the adapter the latest training round produced (registry ``candidate``)
+    v0, v1, ...        a version in the registry's history
+    any name in ``extra``   adapters a caller serves without registering them (the held-out
+                            evaluation serves a round's candidate this way)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from peft import PeftModel
+from transformers import AutoConfig, AutoTokenizer
+
+from flow_assets.policy.chat import COMPACT_CHAT_TEMPLATE
+from flow_assets.policy.sampling import Rollout, SamplingConfig, sample_token_ids
+from flow_assets.policy.tiny_model import load_policy
+from flow_assets.policy.tool_calls import ToolCallFormat
+
+
+class UnknownModelError(KeyError):
+    """A request named a model (adapter) the gateway does not serve; the message lists those it does."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A resolved model name: the registry ``version`` that answers (``"candidate"`` for an
+    unregistered one) and its adapter directory."""
+
+    version: str
+    path: str
+
+
+class AdapterResolver:
+    """Model name -> adapter, from the registry file (re-read when it changes) and ``extra``.
+
+    Args:
+        registry_path: ``registry.json`` of the policy's models directory (it may not exist yet).
+        extra: name -> :class:`AdapterRef` served in addition (they take precedence).
+    """
+
+    def __init__(self, registry_path: str | Path, extra: Mapping[str, AdapterRef] | None = None):
+        self.registry_path = Path(registry_path)
+        self.extra = dict(extra or {})
+        self._cache: tuple[float, dict] | None = None
+        self._lock = threading.Lock()
+
+    def _registry(self) -> dict:
+        with self._lock:
+            try:
+                mtime = self.registry_path.stat().st_mtime_ns
+            except FileNotFoundError:
+                return {"champion": None, "history": []}
+            if self._cache is None or self._cache[0] != mtime:
+                self._cache = (mtime, json.loads(self.registry_path.read_text()))
+            return self._cache[1]
+
+    def names(self) -> list[str]:
+        """Every model name that resolves now, in a stable order."""
+        registry = self._registry()
+        names = ["policy", "champion"] if registry.get("champion") else []
+        if registry.get("candidate"):
+            names.append("candidate")
+        versions = {e["version"] for e in registry.get("history", [])}
+        names += sorted(versions, key=lambda v: (len(v), v))
+        return list(dict.fromkeys([*self.extra, *names]))
+
+    def resolve(self, name: str) -> AdapterRef:
+        """The adapter ``name`` refers to.
+
+        Raises:
+            UnknownModelError: no such name (no champion yet, no candidate, unknown version).
+        """
+        if name in self.extra:
+            return self.extra[name]
+        registry = self._registry()
+        if name in ("policy", "champion") and registry.get("champion"):
+            champ = registry["champion"]
+            return AdapterRef(champ["version"], champ["adapter_path"])
+        if name == "candidate" and registry.get("candidate"):
+            return AdapterRef("candidate", registry["candidate"]["adapter_path"])
+        for event in reversed(registry.get("history", [])):
+            if event["version"] == name:
+                return AdapterRef(name, event["adapter_path"])
+        served = ", ".join(self.names()) or "none (no champion registered yet)"
+        raise UnknownModelError(f"The model '{name}' does not exist; this gateway serves: {served}")
+
+
+def detect_tool_call_format(tokenizer) -> ToolCallFormat:
+    """``"compact"`` for the tiny model's template, else ``"hermes"`` (the common open-model syntax)."""
+    return "compact" if tokenizer.chat_template == COMPACT_CHAT_TEMPLATE else "hermes"
+
+
+class PolicyEngine:
+    """The base model with its adapters, sampled from token ids (not thread-safe: the gateway
+    calls it from its one batching thread).
+
+    Args:
+        base_path: the base model directory (``from_pretrained``).
+        tool_call_format: the policy's tool-call syntax; ``None`` detects it from the template.
+        max_adapters: adapters kept loaded; the least recently used one is unloaded beyond it.
+        backend: ``"transformers"`` (in process, CPU or GPU) or ``"vllm"`` (GPU; the optional
+            ``gpu`` extra): vLLM serves the adapters as LoRA requests, the tokenizer stays this one.
+        max_lora_rank: the largest adapter rank vLLM must accept.
+
+    Raises:
+        OSError: the base model cannot be loaded.
+        ValueError: unknown backend.
+        ImportError: ``backend="vllm"`` without vLLM installed.
+    """
+
+    def __init__(
+        self,
+        base_path: str | Path,
+        tool_call_format: ToolCallFormat | None = None,
+        max_adapters: int = 8,
+        backend: str = "transformers",
+        max_lora_rank: int = 16,
+    ):
+        if backend not in ("transformers", "vllm"):
+            raise ValueError(f"unknown policy backend {backend!r} (expected 'transformers' or 'vllm')")
+        self.backend = backend
+        self._vllm = None
+        if backend == "vllm":
+            from flow_assets.policy.vllm_backend import VLLMSampler
+
+            self._vllm = VLLMSampler(str(base_path), max_lora_rank=max_lora_rank)
+            # vLLM holds the weights; only the tokenizer and the config are needed here
+            self.base, self.tokenizer = None, AutoTokenizer.from_pretrained(str(base_path))
+            self.config = AutoConfig.from_pretrained(str(base_path))
+        else:
+            self.base, self.tokenizer = load_policy(base_path)
+            self.config = self.base.config
+        # the gateway checks prompt + completion against the model's positions itself (a 400 for
+        # the client); the tokenizer's own length warning would only repeat it in the log
+        self.tokenizer.model_max_length = int(1e30)
+        self.model: PeftModel | None = None
+        self.tool_call_format = tool_call_format or detect_tool_call_format(self.tokenizer)
+        self.max_adapters = max_adapters
+        self._loaded: dict[str, str] = {}  # adapter path -> PEFT adapter name, least recently used first
+        self._counter = 0
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's context length in tokens (prompt + completion)."""
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def _activate(self, path: str) -> PeftModel:
+        if path in self._loaded:
+            name = self._loaded.pop(path)
+            self._loaded[path] = name
+        else:
+            self._counter += 1
+            name = f"adapter{self._counter}"
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(self.base, path, adapter_name=name, is_trainable=False)
+            else:
+                self.model.load_adapter(path, adapter_name=name, is_trainable=False)
+            self._loaded[path] = name
+            if len(self._loaded) > self.max_adapters:
+                oldest_path = next(iter(self._loaded))
+                self.model.delete_adapter(self._loaded.pop(oldest_path))
+        self.model.set_adapter(self._loaded[path])
+        return self.model
+
+    def generate(self, adapter_path: str, prompt_ids: list[list[int]], config: SamplingConfig) -> list[Rollout]:
+        """Sample ``config.num_samples`` completions per prompt with the adapter at ``adapter_path``.
+
+        Returns / raises: as :func:`~flow_assets.policy.sampling.sample_token_ids`; also
+        ``OSError`` / ``ValueError`` from PEFT when the adapter directory is missing or does not
+        fit the base model.
+        """
+        if self._vllm is not None:
+            return self._vllm.generate(adapter_path, prompt_ids, config)
+        return sample_token_ids(self._activate(adapter_path), self.tokenizer, prompt_ids, config)

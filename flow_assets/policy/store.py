@@ -1,0 +1,95 @@
+"""Where a policy lives on disk, and the gateway that serves it.
+
+A policy's models directory holds its base model (``base/``, unless the user's own model lives
+elsewhere), its LoRA adapters (``adapters/<version>/``), the rounds' files (``runs/<batch>/``) and
+the registry (``registry.json``). :class:`PolicyStore` is that layout plus how to load from it;
+the Dagster resource :class:`resources.policy.PolicyModel` wraps one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flow_assets.gateway.app import Gateway, GatewayConfig
+from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine
+from flow_assets.gateway.server import GatewayServer
+from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter, load_lora_adapter
+from flow_assets.policy.tiny_model import load_policy
+
+
+@dataclass(frozen=True)
+class PolicyStore:
+    """A policy's models directory.
+
+    Attributes:
+        models_root: the directory (base model, adapters, rounds, registry).
+        base_model_path: the user's own base model directory; ``None`` = ``<models_root>/base``.
+        lora_rank / lora_alpha: shape of new adapters.
+        max_new_tokens: the gateway's completion cap for calls that set none, tokens.
+        backend: ``"transformers"`` (CPU or GPU) or ``"vllm"`` (GPU) for the gateway's sampling.
+    """
+
+    models_root: str = ".models"
+    base_model_path: str | None = None
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    max_new_tokens: int = 8
+    backend: str = "transformers"
+
+    @property
+    def base_path(self) -> Path:
+        """Directory of the base model (the user's, else the tiny one)."""
+        return Path(self.base_model_path) if self.base_model_path else Path(self.models_root) / "base"
+
+    @property
+    def registry_path(self) -> Path:
+        """The registry file."""
+        return Path(self.models_root) / "registry.json"
+
+    def adapter_dir(self, name: str) -> Path:
+        """Directory for the adapter called ``name``."""
+        return Path(self.models_root) / "adapters" / name
+
+    def round_dir(self, batch: str) -> Path:
+        """Directory of the training round on ``batch`` (checkpoints, candidate, its files)."""
+        return Path(self.models_root) / "runs" / batch
+
+    def load(self, adapter_path: str | None = None, trainable: bool = False):
+        """``(model, tokenizer)``: the base model, with the adapter at ``adapter_path`` if given.
+
+        Raises:
+            OSError: the base model or adapter directory is missing or unreadable.
+        """
+        model, tokenizer = load_policy(self.base_path)
+        if adapter_path is None:
+            return model, tokenizer
+        return load_lora_adapter(model, adapter_path, trainable=trainable), tokenizer
+
+    def new_adapter(self, model):
+        """Wrap ``model`` in a fresh LoRA adapter (B = 0, so it starts as the identity)."""
+        return add_lora_adapter(model, LoraAdapterConfig(rank=self.lora_rank, alpha=self.lora_alpha))
+
+    def make_gateway(
+        self, landing_dir: str | Path, extra: dict[str, AdapterRef] | None = None, config: GatewayConfig | None = None
+    ) -> Gateway:
+        """A gateway over this policy (not yet serving). ``extra`` serves adapters by name
+        besides the registry's; the default config caps completions at ``max_new_tokens``.
+
+        Raises:
+            OSError: the base model cannot be loaded.
+        """
+        engine = PolicyEngine(self.base_path, backend=self.backend, max_lora_rank=self.lora_rank)
+        config = config or GatewayConfig(default_max_tokens=self.max_new_tokens)
+        return Gateway(engine, AdapterResolver(self.registry_path, extra), landing_dir, config)
+
+    def gateway(
+        self,
+        landing_dir: str | Path,
+        extra: dict[str, AdapterRef] | None = None,
+        config: GatewayConfig | None = None,
+        port: int = 0,
+    ) -> GatewayServer:
+        """:meth:`make_gateway` serving HTTP on 127.0.0.1 from a background thread (a context
+        manager; ``port=0`` picks a free port)."""
+        return GatewayServer(self.make_gateway(landing_dir, extra, config), port=port)

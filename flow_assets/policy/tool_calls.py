@@ -1,0 +1,132 @@
+"""Tool calls out of a completion's text, as OpenAI ``tool_calls``.
+
+The policy writes tool calls as text in the syntax its chat template renders them in; the
+gateway parses them back so the agent receives OpenAI's structured ``tool_calls``. Two syntaxes:
+
+- ``compact`` (the tiny model's :data:`~flow_assets.policy.chat.COMPACT_CHAT_TEMPLATE`):
+  ``@name(argument)`` or ``@name({"a": 1, "b": 2})``, one or more, after any text. A bare argument
+  is the value of the tool's first parameter (as declared in the request's ``tools``); a JSON
+  object is the arguments as they are.
+- ``hermes`` (Hermes, Qwen 2.5 / 3 and vLLM's ``hermes`` parser): ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`` blocks; the text outside them is the content.
+
+A completion whose call syntax does not parse (a tool that was not offered, malformed JSON) is
+returned as plain content: the agent then sees what the policy wrote, and the rollout's outcome
+judges it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ToolCallFormat = Literal["compact", "hermes"]
+
+_COMPACT = re.compile(r"@([A-Za-z_][A-Za-z0-9_.-]*)\(")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call. ``arguments`` is the JSON text OpenAI's API carries (an object)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedCompletion:
+    """A completion split into its text ``content`` (``None`` when only calls) and ``tool_calls``."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+def _first_parameter(tools: Sequence[dict[str, Any]], name: str) -> str | None:
+    for tool in tools:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            required = (function.get("parameters") or {}).get("required") or []
+            return (required or list(properties) or [None])[0]
+    return None
+
+
+def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
+    match = _COMPACT.search(text)
+    if match is None or not text.rstrip().endswith(")"):
+        return ParsedCompletion(text)
+    content, calls, rest = text[: match.start()], [], text[match.start() :].rstrip()
+    offered = {(t.get("function") or {}).get("name") for t in tools}
+    while rest:
+        m = _COMPACT.match(rest)
+        if m is None or m.group(1) not in offered:
+            return ParsedCompletion(text)
+        name, body = m.group(1), rest[m.end() :]
+        if body.startswith("{"):
+            try:
+                args, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                return ParsedCompletion(text)
+            if not isinstance(args, dict) or body[end : end + 1] != ")":
+                return ParsedCompletion(text)
+            rest = body[end + 1 :]
+        else:
+            end = body.find(")")
+            parameter = _first_parameter(tools, name)
+            if end < 0 or parameter is None:
+                return ParsedCompletion(text)
+            args, rest = {parameter: body[:end]}, body[end + 1 :]
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+    return ParsedCompletion(content or None, tuple(calls))
+
+
+def _parse_hermes(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
+    blocks = list(_HERMES.finditer(text))
+    if not blocks:
+        return ParsedCompletion(text)
+    offered = {(t.get("function") or {}).get("name") for t in tools}
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            return ParsedCompletion(text)
+        if not isinstance(call, dict) or call.get("name") not in offered:
+            return ParsedCompletion(text)
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return ParsedCompletion(text)
+        if not isinstance(args, dict):
+            return ParsedCompletion(text)
+        calls.append(ToolCall(call["name"], json.dumps(args, ensure_ascii=False)))
+    content = _HERMES.sub("", text).strip()
+    return ParsedCompletion(content or None, tuple(calls))
+
+
+def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: Sequence[dict[str, Any]] | None) -> ParsedCompletion:
+    """Split a completion's text into content and the tool calls it makes.
+
+    Args:
+        text: the completion, decoded without special tokens.
+        fmt: the policy's call syntax (module docstring).
+        tools: the request's ``tools`` (OpenAI function specifications); without any, nothing
+            is parsed as a call.
+
+    Returns:
+        :class:`ParsedCompletion`; ``tool_calls`` is empty when the text makes no valid call.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    if fmt not in ("compact", "hermes"):
+        raise ValueError(f"unknown tool-call format {fmt!r} (expected 'compact' or 'hermes')")
+    if not tools:
+        return ParsedCompletion(text)
+    return _parse_compact(text, tools) if fmt == "compact" else _parse_hermes(text, tools)

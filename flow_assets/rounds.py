@@ -1,0 +1,517 @@
+"""A training round, as plain functions with typed hand-offs (no Dagster here).
+
+    collect_batch        the champion's agents work on train tasks through the gateway, G per
+                         task; the batch lands in the landing directory     -> CollectionResult
+    [the data plane: interaction_logs -> trajectories -> rewards -> advantages]
+    train_candidate      GRPO on the batch's turn rows, from the champion   -> RoundSummary
+    evaluate_candidate   candidate vs champion agents on held-out tasks     -> EvaluationResult
+    promote_candidate    the gate re-checked, the registry written          -> Promotion
+
+Each result is a frozen dataclass written and read by one pair of functions (``round.json``,
+``evaluation.json`` in the round's directory ``<models>/runs/<batch>/``), so the Dagster assets,
+the demo, the benchmarks and the tests all pass the same typed objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import polars as pl
+import torch
+
+from flow_assets.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
+from flow_assets.gateway.app import GatewayConfig
+from flow_assets.gateway.engine import AdapterRef
+from flow_assets.policy.lora import save_lora_adapter
+from flow_assets.policy.rollouts import batch_id_for, training_samples
+from flow_assets.policy.sampling import completion_logprobs
+from flow_assets.policy.store import PolicyStore
+from flow_assets.policy.trainer import GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
+from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
+from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
+from flow_assets.rl.grpo_loss import k3_kl
+from flow_assets.tasks.sources import Task, TaskSource
+
+
+class Registry(Protocol):
+    """What a round needs of the adapter registry (:class:`resources.registry.AdapterRegistry`)."""
+
+    def champion(self) -> dict[str, Any] | None: ...
+    def load(self) -> dict[str, Any]: ...
+    def set_candidate(self, adapter_path: str, batch: str, parent_version: str) -> None: ...
+    def promote(self, version: str, adapter_path: str, metrics: dict, by: str, reason: str, action: str = "promote") -> dict: ...
+
+
+class RoundError(RuntimeError):
+    """A round cannot go on (no champion, no trainable rollouts, a changed champion)."""
+
+
+def _write_json(path: Path, content: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(content, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def require_champion(registry: Registry) -> dict[str, Any]:
+    """The champion entry.
+
+    Raises:
+        RoundError: there is none yet (``base_policy`` was never materialised).
+    """
+    champion = registry.champion()
+    if champion is None:
+        raise RoundError("no champion in the registry: materialise base_policy first")
+    return champion
+
+
+# -- collection ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CollectConfig:
+    """One collection: the champion's agents work on ``tasks_per_batch`` train tasks, ``group_size`` each.
+
+    Attributes:
+        tasks_per_batch: train tasks per batch, drawn without replacement.
+        group_size: agents (rollouts) per task, the GRPO group size G.
+        temperature: sampling temperature imposed on every call of the rollouts.
+        top_p: nucleus threshold imposed on every call.
+        seed: base seed; the batch number is added to it (task choice and sampling seeds).
+        concurrency: agents running at once.
+        timeout_s: an agent running longer is cancelled (an error rollout), seconds.
+    """
+
+    tasks_per_batch: int = 512
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    concurrency: int = 256
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class CollectionResult:
+    """What a collection landed.
+
+    Attributes:
+        path: the landed JSONL file; ``batch`` its name (stem).
+        champion: the registry version whose agents collected it.
+        rollouts / failed_rollouts: counts; a failed rollout is an error trajectory.
+        success_rate: share of rollouts the verifier scored 1.
+        mean_llm_calls / mean_tool_calls: per rollout.
+        seconds: wall time of the agents' work (gateway start included).
+    """
+
+    path: str
+    batch: str
+    champion: str
+    rollouts: int
+    failed_rollouts: int
+    success_rate: float
+    mean_llm_calls: float
+    mean_tool_calls: float
+    seconds: float
+
+
+def landing_source(agent_id: str) -> str:
+    """The landing sub-directory of an agent's rollouts (``flowopt:calculator`` -> ``flowopt-calculator``)."""
+    return agent_id.replace(":", "-")
+
+
+def collect_batch(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    registry: Registry,
+    landing_dir: str | Path,
+    config: CollectConfig | None = None,
+) -> CollectionResult:
+    """Run the champion's agents on a batch of train tasks through an in-process gateway (real
+    HTTP) and land the batch as ``<landing>/<source>/rollouts-<n>-<id>.jsonl``.
+
+    Raises:
+        RoundError: no champion.
+        GatewayError / OSError: the gateway could not be started or refused the rollouts.
+    """
+    config = config or CollectConfig()
+    champion = require_champion(registry)
+    folder = landing_source(agent_id)
+    out_dir = Path(landing_dir) / folder
+    batch_number = len(list(out_dir.glob("*.jsonl"))) if out_dir.is_dir() else 0
+    seed = config.seed + batch_number
+    train = source.tasks("train")
+    rng = np.random.default_rng(seed)
+    chosen = [train[i] for i in rng.choice(len(train), size=min(config.tasks_per_batch, len(train)), replace=False)]
+    batch = f"rollouts-{batch_number:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
+    harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
+    started = time.perf_counter()
+    with store.gateway(landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:
+        results = asyncio.run(
+            run_rollouts(server.url, agent, chosen, source.score, config.group_size,
+                         agent_id=agent_id, batch=batch, source=folder, config=harness)
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    return CollectionResult(
+        path=str(out_dir / f"{batch}.jsonl"),
+        batch=batch,
+        champion=champion["version"],
+        rollouts=len(results),
+        failed_rollouts=sum(r.error is not None for r in results),
+        success_rate=float(np.mean([r.success for r in results])) if results else 0.0,
+        mean_llm_calls=float(np.mean([r.llm_calls for r in results])) if results else 0.0,
+        mean_tool_calls=float(np.mean([r.tool_calls for r in results])) if results else 0.0,
+        seconds=seconds,
+    )
+
+
+# -- training --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundSummary:
+    """What ``train_candidate`` did (``round.json``).
+
+    Attributes:
+        batch: the log batch trained on.
+        parent_version / parent_adapter: the champion it started from.
+        candidate_adapter: the trained adapter's directory.
+        losses / grad_norms: per optimizer step.
+        kl_to_behaviour: mean KL(behaviour || candidate), nats per token, on the batch's turns.
+        num_samples: turn rows trained on; dropped_zero_advantage: rows left out (advantage 0).
+        resumed_from: checkpoint step it resumed from, else ``None``; final_step: steps done.
+        training_seconds: wall time of the optimisation.
+        reward_mean / reward_std: of the batch's trajectories; zero_variance_share: of its groups.
+        negate_advantages: trained against the advantages (a test of the gate).
+        config: the trainer's exact config.
+    """
+
+    batch: str
+    parent_version: str
+    parent_adapter: str
+    candidate_adapter: str
+    losses: list[float]
+    grad_norms: list[float]
+    kl_to_behaviour: float
+    num_samples: int
+    dropped_zero_advantage: int
+    resumed_from: int | None
+    final_step: int
+    training_seconds: float
+    reward_mean: float
+    reward_std: float
+    zero_variance_share: float
+    negate_advantages: bool
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def write_round_summary(summary: RoundSummary, run_dir: Path) -> Path:
+    """Write ``run_dir/round.json`` atomically."""
+    path = Path(run_dir) / "round.json"
+    _write_json(path, dataclasses.asdict(summary))
+    return path
+
+
+def read_round_summary(run_dir: Path) -> RoundSummary:
+    """Read ``run_dir/round.json``.
+
+    Raises:
+        FileNotFoundError: the round has not been trained.
+    """
+    return RoundSummary(**json.loads((Path(run_dir) / "round.json").read_text()))
+
+
+def kl_to_behaviour(model, samples: list[TrainingSample], pad_id: int) -> float:
+    """Mean KL(behaviour || trained policy), nats per token, on the batch's own completions.
+
+    The completions were sampled from the behaviour policy, so the k3 estimator
+    ``(r - 1) - log r`` with ``r = pi_new / pi_old`` (Schulman 2020, "Approximating KL
+    divergence") is unbiased and non-negative for KL(pi_old || pi_new). Each row is scored at the
+    temperature it was sampled at, like the behaviour log-probs.
+    """
+    with_lp = [s for s in samples if s.behaviour_logprobs and s.completion_ids]
+    if not with_lp:
+        return 0.0
+    with torch.no_grad():
+        logp, mask = completion_logprobs(
+            model, [s.prompt_ids for s in with_lp], [s.completion_ids for s in with_lp], pad_id,
+            [s.temperature for s in with_lp],
+        )  # fmt: skip
+    old = torch.zeros_like(logp)
+    for i, s in enumerate(with_lp):
+        old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+    return float((k3_kl(old, logp) * mask).sum() / mask.sum())
+
+
+def train_candidate(
+    store: PolicyStore,
+    registry: Registry,
+    batch: str,
+    tables: dict[str, pl.DataFrame],
+    agent_id: str,
+    config: GRPOTrainerConfig,
+    negate_advantages: bool = False,
+) -> tuple[RoundSummary, list[StepMetrics]]:
+    """Train a candidate adapter from the champion on ``batch`` and save it (round directory
+    ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
+
+    Args:
+        tables: the batch's lake partitions ``steps``, ``step_advantages``, ``trajectories`` and
+            ``advantages``.
+        agent_id: the trainable agent; only its trajectories' turns are trained.
+        config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
+        negate_advantages: train against the advantages (to test that the gate blocks it).
+
+    Returns:
+        The summary (also written) and the per-step metrics.
+
+    Raises:
+        RoundError: no champion, or the batch holds no trainable turn of ``agent_id``.
+    """
+    samples = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
+    if not samples:
+        raise RoundError(f"batch {batch} has no turns of the trainable agent {agent_id!r} with token ids")
+    if negate_advantages:
+        samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
+    champion = require_champion(registry)
+    model, tokenizer = store.load(champion["adapter_path"], trainable=True)
+    run_dir = store.round_dir(batch)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # checkpoints of an interrupted run are resumed only if they grew from the same champion
+    parent_file = run_dir / "parent_version"
+    if parent_file.exists() and parent_file.read_text() != champion["version"]:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    parent_file.write_text(champion["version"])
+    config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
+    result = train_grpo_round(model, samples, config, resume=True)
+    candidate = save_lora_adapter(model, run_dir / "adapter")
+    registry.set_candidate(str(candidate), batch, champion["version"])
+    advantages = tables["advantages"]
+    groups = advantages.group_by("group_key").agg(pl.col("zero_variance").first())
+    summary = RoundSummary(
+        batch=batch,
+        parent_version=champion["version"],
+        parent_adapter=champion["adapter_path"],
+        candidate_adapter=str(candidate),
+        losses=[s.loss for s in result.steps],
+        grad_norms=[s.grad_norm for s in result.steps],
+        kl_to_behaviour=kl_to_behaviour(model, samples, tokenizer.pad_token_id),
+        num_samples=result.num_samples,
+        dropped_zero_advantage=result.num_dropped_zero_advantage,
+        resumed_from=result.resumed_from,
+        final_step=result.final_step,
+        training_seconds=result.seconds,
+        reward_mean=float(advantages["reward"].mean()),
+        reward_std=float(advantages["reward"].std() or 0.0),
+        zero_variance_share=float(groups["zero_variance"].mean()),
+        negate_advantages=negate_advantages,
+        config=config_to_dict(config),
+    )
+    write_round_summary(summary, run_dir)
+    return summary, result.steps
+
+
+# -- evaluation ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Held-out evaluation and the promotion gate's thresholds.
+
+    Attributes:
+        max_tasks: held-out tasks evaluated (the first N, fixed order).
+        concurrency: agents running at once (per policy and mode; four run side by side).
+        timeout_s: an agent running longer counts as a failure, seconds.
+        gate: the promotion gate's thresholds.
+    """
+
+    max_tasks: int = 500
+    concurrency: int = 128
+    timeout_s: float = 120.0
+    gate: GateConfig = field(default_factory=GateConfig)
+
+
+#: the two evaluation modes: sampling temperature
+MODES = {"greedy": 0.0, "sampled": 1.0}
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """What ``evaluate_candidate`` found (``evaluation.json``).
+
+    Attributes:
+        report: :func:`~flow_assets.rl.evaluation.compare_policies`' report.
+        gate_config: the thresholds it was gated with.
+        gate: one :class:`~flow_assets.rl.gate.GateResult` per check (``gain``, ``finite_loss``,
+            ``kl_bound``).
+        generation_seconds: wall time of the agents' work.
+    """
+
+    report: dict[str, Any]
+    gate_config: GateConfig
+    gate: tuple[GateResult, ...]
+    generation_seconds: float
+
+    @property
+    def passed(self) -> bool:
+        """Every check passed."""
+        return all(r.passed for r in self.gate)
+
+
+def write_evaluation(result: EvaluationResult, run_dir: Path) -> Path:
+    """Write ``run_dir/evaluation.json`` atomically."""
+    path = Path(run_dir) / "evaluation.json"
+    _write_json(path, dataclasses.asdict(result))
+    return path
+
+
+def read_evaluation(run_dir: Path) -> EvaluationResult:
+    """Read ``run_dir/evaluation.json``.
+
+    Raises:
+        FileNotFoundError: the round has not been evaluated.
+    """
+    raw = json.loads((Path(run_dir) / "evaluation.json").read_text())
+    return EvaluationResult(
+        raw["report"], GateConfig(**raw["gate_config"]), tuple(GateResult(**g) for g in raw["gate"]), raw["generation_seconds"]
+    )
+
+
+def gate_results(summary: RoundSummary, report: dict[str, Any], gate: GateConfig) -> tuple[GateResult, ...]:
+    """The gate's three checks on a round (:mod:`flow_assets.rl.gate`)."""
+    return (
+        check_gain(report, gate),
+        check_finite_loss(summary.losses, summary.grad_norms),
+        check_kl(summary.kl_to_behaviour, gate),
+    )
+
+
+def evaluation_rows(results: list[RolloutResult], policy: str, mode: str) -> list[dict[str, Any]]:
+    """One :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` row per rollout (a failed one scores 0)."""
+    return [
+        {
+            "policy": policy, "mode": mode, "task_id": r.task_id, "completion": r.answer, "reward": r.score,
+            "success": r.success, "completion_tokens": r.completion_tokens, "llm_calls": r.llm_calls,
+            "tool_calls": r.tool_calls,
+        }
+        for r in results
+    ]  # fmt: skip
+
+
+def evaluate_agents(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    tasks: list[Task],
+    policies: dict[str, AdapterRef],
+    config: EvaluationConfig,
+    scratch_dir: str | Path,
+) -> tuple[pl.DataFrame, float]:
+    """Every policy's agents on ``tasks``, greedy (T = 0) and sampled (T = 1), side by side
+    through one in-process gateway; the rollouts do not land (held-out tasks never train).
+
+    Returns:
+        Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
+    """
+    started = time.perf_counter()
+    with store.gateway(scratch_dir, extra=policies) as server:
+
+        async def everything():
+            runs = {
+                (name, mode): run_rollouts(
+                    server.url, agent, tasks, source.score, 1, agent_id=agent_id,
+                    config=HarnessConfig(config.concurrency, config.timeout_s, name, temperature, None, land=False),
+                )  # fmt: skip
+                for name in policies
+                for mode, temperature in MODES.items()
+            }
+            done = await asyncio.gather(*runs.values())
+            return dict(zip(runs, done))
+
+        results = asyncio.run(everything())
+    rows = [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]
+    return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started
+
+
+def evaluate_candidate(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    summary: RoundSummary,
+    config: EvaluationConfig,
+) -> tuple[pl.DataFrame, EvaluationResult]:
+    """Candidate vs the champion it grew from, on the first ``max_tasks`` held-out tasks, and
+    the gate's verdict; writes ``evaluation.json`` into the round's directory."""
+    run_dir = store.round_dir(summary.batch)
+    held_out = source.tasks("held_out")[: config.max_tasks]
+    policies = {
+        "candidate": AdapterRef("candidate", summary.candidate_adapter),
+        "champion": AdapterRef(summary.parent_version, summary.parent_adapter),
+    }
+    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, policies, config, run_dir)
+    report = compare_policies(rows)
+    result = EvaluationResult(report, config.gate, gate_results(summary, report, config.gate), seconds)
+    write_evaluation(result, run_dir)
+    return rows, result
+
+
+# -- promotion -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Promotion:
+    """A promotion: the new champion ``version`` (from ``previous``), its adapter, the metrics and
+    the reason recorded in the registry."""
+
+    version: str
+    previous: str
+    adapter_path: str
+    metrics: dict[str, Any]
+    reason: str
+
+
+def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: str) -> Promotion:
+    """Make the round's candidate the champion, after re-checking its stored gate.
+
+    Raises:
+        RoundError: a gate check failed, or the champion changed since the candidate's parent
+            (a candidate trained from an old champion must not replace a newer one).
+        FileNotFoundError: the round was not trained or evaluated.
+    """
+    run_dir = store.round_dir(batch)
+    summary, evaluation = read_round_summary(run_dir), read_evaluation(run_dir)
+    results = gate_results(summary, evaluation.report, evaluation.gate_config)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise RoundError("promotion refused: " + "; ".join(f"{r.name}: {r.reason}" for r in failed))
+    champion = require_champion(registry)
+    if champion["version"] != summary.parent_version:
+        raise RoundError(
+            f"candidate of batch {batch} was trained from {summary.parent_version}, but the champion is now {champion['version']}"
+        )
+    version = f"v{sum(1 for e in registry.load()['history'] if e['action'] == 'promote') + 1}"
+    target = store.adapter_dir(version)
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(summary.candidate_adapter, target)
+    metric = evaluation.gate_config.metric
+    mode = evaluation.report[metric]
+    metrics = {
+        "batch": batch,
+        f"{metric}_success": mode["candidate"]["success_rate"]["rate"],
+        "gain": mode["gain"],
+        "mcnemar_p": mode["mcnemar"]["p_value"],
+        "kl_to_behaviour": summary.kl_to_behaviour,
+    }
+    reason = "; ".join(r.reason for r in results)
+    registry.promote(version, str(target), metrics, by=by, reason=reason)
+    return Promotion(version, champion["version"], str(target), metrics, reason)
+
+
+def finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite float entries of ``metrics`` (what Dagster metadata can plot)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)}
