@@ -45,7 +45,7 @@ SPELL_COLLECT = {"tasks_per_batch": 128, "group_size": 8}
 SPELL_EVAL = {"max_tasks": 200}
 #: calculator rounds: 64 train tasks, 8 agents each, two LLM calls per agent when it uses its tool
 AGENT_COLLECT = {"tasks_per_batch": 64, "group_size": 8}
-AGENT_EVAL = {"max_tasks": 200}
+AGENT_EVAL = {"max_tasks": 150}
 AGENT_BASE = {"sft_demonstrations": 1000, "sft": {"steps": 200}}
 AGENT_TRAIN = {"learning_rate": 2e-3}
 
@@ -249,8 +249,8 @@ def run_demo(
     models_root: Path = REPO_ROOT / ".models",
     data_dir: Path = SHARED_DATA,
     report: Path = REPO_ROOT / "reports" / "demo-summary.json",
-    rounds: int = 10,
-    agent_rounds: int = 10,
+    rounds: int = 4,
+    agent_rounds: int = 8,
 ) -> dict:
     """Run the demo and write ``report``; returns the report's content.
 

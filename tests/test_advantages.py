@@ -98,3 +98,25 @@ def test_discounted_credit_counts_turns_not_tool_results():
 def test_gamma_outside_unit_interval_is_refused():
     with pytest.raises(ValueError, match="gamma"):
         CreditConfig("discounted", 0.0)
+
+
+def test_turn_normalisation_weighs_rollouts_by_their_turns():
+    # one task, three rollouts: rewards 1, 0, 0 with 1, 3 and 2 turns. Over turn rows (AgentFlow)
+    # the rows are [1, 0, 0, 0, 0, 0]: mean 1/6, sample std sqrt(1/6); over rollouts (Agent
+    # Lightning v1.0) [1, 0, 0]: mean 1/3, std sqrt(1/3)
+    frame = pl.DataFrame({"group_key": ["t"] * 3, "reward": [1.0, 0.0, 0.0], "n_turns": [1, 3, 2]})
+    turn = group_advantages(frame, AdvantageConfig(normalise_over="turn", eps=0.0))
+    rollout = group_advantages(frame, AdvantageConfig(eps=0.0))
+    mean, std = 1 / 6, (1 / 6) ** 0.5
+    assert turn["advantage"].to_list() == pytest.approx([(1 - mean) / std, -mean / std, -mean / std])
+    assert turn["group_size"].to_list() == [6, 6, 6]
+    assert rollout["advantage"].to_list() == pytest.approx([(1 - 1 / 3) / (1 / 3) ** 0.5, -(1 / 3) / (1 / 3) ** 0.5, -(1 / 3) / (1 / 3) ** 0.5])
+
+
+def test_turn_normalisation_leaves_out_rollouts_without_a_turn():
+    # the rollout that never called the model has no row: the group is the two others, equal: no signal
+    frame = pl.DataFrame({"group_key": ["t"] * 3, "reward": [0.0, 0.5, 0.5], "n_turns": [0, 2, 1]})
+    out = group_advantages(frame, AdvantageConfig(normalise_over="turn"))
+    assert out["zero_variance"].to_list() == [True] * 3 and out["advantage"].to_list() == [0.0] * 3
+    with pytest.raises(ValueError, match="n_turns"):
+        group_advantages(frame.drop("n_turns"), AdvantageConfig(normalise_over="turn"))

@@ -132,3 +132,15 @@ def test_lora_adapter_save_load_round_trip(policy_dir, tmp_path):
     assert any(p.requires_grad for p in reloaded.parameters())
     frozen = load_lora_adapter(load_policy(policy_dir)[0], adapter_dir, trainable=False)
     assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_completion_logprobs_scores_each_row_at_its_own_temperature(policy):
+    model, tok = policy
+    prompts, completions = [[1, 40, 41], [1, 50], [1, 60, 61, 62]], [[42, 43], [51, 52, 53], [63]]
+    mixed, mask = completion_logprobs(model, prompts, completions, tok.pad_token_id, [0.7, 1.0, 0.0])
+    for i, t in enumerate((0.7, 1.0, 1.0)):  # 0 (greedy) is scored at 1
+        alone, _ = completion_logprobs(model, [prompts[i]], [completions[i]], tok.pad_token_id, t)
+        n = len(completions[i])
+        assert torch.allclose(mixed[i, :n], alone[0, :n], atol=1e-6) and mask[i].sum() == n
+    with pytest.raises(ValueError, match="temperature"):
+        completion_logprobs(model, prompts, completions, tok.pad_token_id, [1.0, 1.0])

@@ -10,8 +10,8 @@ short enough for a model that pays one token per character::
     <bos>U:{user}\\n A:{assistant}<eos> T:{tool result}\\n A:        (no spaces; S: for system)
 
 An assistant turn that calls a tool renders the call as ``@name(argument)`` (the value of a
-single argument) or ``@name({json})`` (several), the syntax :mod:`flow_assets.policy.tool_calls`
-parses back (format ``"compact"``). The template ignores ``tools=``: the tiny model learns its
+single string argument whose parentheses pair up) or ``@name({json})`` (anything else), the
+syntax :mod:`flow_assets.policy.tool_calls` parses back (format ``"compact"``). The template ignores ``tools=``: the tiny model learns its
 tools from demonstrations, and a long tool specification would not fit its context.
 
 Demonstrations (the SFT warm start) are conversations too: every assistant message becomes one
@@ -39,7 +39,8 @@ COMPACT_CHAT_TEMPLATE = (
     "{%- for tc in m.tool_calls or [] -%}"
     "{%- set args = tc.function.arguments -%}"
     "@{{ tc.function.name }}("
-    "{%- if args is mapping and args|length == 1 -%}{{ args.values()|first }}"
+    "{%- set one = args.values()|first if args is mapping and args|length == 1 else none -%}"
+    "{%- if one is string and one.count('(') == one.count(')') -%}{{ one }}"
     "{%- elif args is mapping -%}{{ args|tojson }}"
     "{%- else -%}{{ args }}{%- endif -%})"
     "{%- endfor -%}{{ eos_token }}"

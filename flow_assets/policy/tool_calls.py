@@ -5,8 +5,9 @@ gateway parses them back so the agent receives OpenAI's structured ``tool_calls`
 
 - ``compact`` (the tiny model's :data:`~flow_assets.policy.chat.COMPACT_CHAT_TEMPLATE`):
   ``@name(argument)`` or ``@name({"a": 1, "b": 2})``, one or more, after any text. A bare argument
-  is the value of the tool's first parameter (as declared in the request's ``tools``); a JSON
-  object is the arguments as they are.
+  (parentheses inside it balanced, as in ``@calculator(12*(3+4))``) is the value of the tool's
+  first required parameter (as declared in the request's ``tools``); a JSON object is the
+  arguments as they are.
 - ``hermes`` (Hermes, Qwen 2.5 / 3 and vLLM's ``hermes`` parser): ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`` blocks; the text outside them is the content.
 
@@ -55,6 +56,19 @@ def _first_parameter(tools: Sequence[dict[str, Any]], name: str) -> str | None:
     return None
 
 
+def _closing_paren(body: str) -> int:
+    """Index of the ``)`` that closes a call whose ``(`` precedes ``body`` (nesting counted), or -1."""
+    depth = 0
+    for i, ch in enumerate(body):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            if depth == 0:
+                return i
+            depth -= 1
+    return -1
+
+
 def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
     match = _COMPACT.search(text)
     if match is None or not text.rstrip().endswith(")"):
@@ -75,7 +89,7 @@ def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompleti
                 return ParsedCompletion(text)
             rest = body[end + 1 :]
         else:
-            end = body.find(")")
+            end = _closing_paren(body)
             parameter = _first_parameter(tools, name)
             if end < 0 or parameter is None:
                 return ParsedCompletion(text)

@@ -20,6 +20,7 @@ import ast
 import json
 import operator
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,10 @@ def calculator(expression: str) -> str:
     if not isinstance(expression, str) or not expression.strip() or len(expression) > _MAX_EXPRESSION:
         return f"Error: expected an expression of 1-{_MAX_EXPRESSION} characters"
     try:
-        return str(_evaluate(ast.parse(expression.strip(), mode="eval").body))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)  # e.g. "12abc": the error below says it
+            tree = ast.parse(expression.strip(), mode="eval")
+        return str(_evaluate(tree.body))
     except (SyntaxError, ValueError, RecursionError) as exc:
         return f"Error: {exc.__class__.__name__}: {exc}"
 
