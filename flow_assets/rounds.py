@@ -1,5 +1,6 @@
 """A training round, as plain functions with typed hand-offs (no Dagster here).
 
+    build_base_policy    the tiny model, SFT on demonstrations, champion v0 -> BasePolicyResult
     collect_batch        the champion's agents work on train tasks through the gateway, G per
                          task; the batch lands in the landing directory     -> CollectionResult
     [the data plane: interaction_logs -> trajectories -> rewards -> advantages]
@@ -31,10 +32,13 @@ import torch
 from flow_assets.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
 from flow_assets.gateway.app import GatewayConfig
 from flow_assets.gateway.engine import AdapterRef
+from flow_assets.policy.chat import conversation_rows
 from flow_assets.policy.lora import save_lora_adapter
 from flow_assets.policy.rollouts import batch_id_for, training_samples
 from flow_assets.policy.sampling import completion_logprobs
+from flow_assets.policy.sft import SFTConfig, sft_on_rows
 from flow_assets.policy.store import PolicyStore
+from flow_assets.policy.tiny_model import TinyModelConfig, save_tiny_policy
 from flow_assets.policy.trainer import GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
@@ -71,6 +75,63 @@ def require_champion(registry: Registry) -> dict[str, Any]:
     if champion is None:
         raise RoundError("no champion in the registry: materialise base_policy first")
     return champion
+
+
+# -- base policy -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BasePolicyResult:
+    """What ``build_base_policy`` did: SFT demonstrations (conversations) and rows (assistant
+    turns), steps, mean loss of the last 10 steps (nats per token), seconds, parameters."""
+
+    demonstrations: int
+    rows: int
+    steps: int
+    final_loss: float
+    seconds: float
+    parameters: int
+
+
+def build_base_policy(
+    store: PolicyStore,
+    registry: Registry,
+    source: TaskSource,
+    model: TinyModelConfig,
+    sft: SFTConfig,
+    demonstrations: int,
+    by: str,
+) -> BasePolicyResult:
+    """The tiny model saved into ``store.base_path``, warm-started by SFT on the demonstration
+    conversations of ``source``'s first ``demonstrations`` train tasks (one row per assistant
+    turn, rendered with the chat template), then champion ``v0`` (an identity adapter).
+
+    Raises:
+        ValueError: no demonstrations.
+    """
+    if store.base_path.exists():
+        shutil.rmtree(store.base_path)
+    save_tiny_policy(store.base_path, model)
+    base, tokenizer = store.load()
+    tasks = source.tasks("train")[:demonstrations]
+    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), source.tools)]
+    result = sft_on_rows(base, rows, tokenizer.pad_token_id, sft)
+    base.save_pretrained(str(store.base_path))
+    register_identity_adapter(store, registry, by, "base policy (SFT warm start)")
+    return BasePolicyResult(
+        len(tasks), len(rows), result.steps, float(np.mean(result.losses[-10:])) if result.losses else float("nan"), result.seconds,
+        sum(p.numel() for p in base.parameters()),
+    )  # fmt: skip
+
+
+def register_identity_adapter(store: PolicyStore, registry: Registry, by: str, reason: str) -> str:
+    """Save a fresh (identity) LoRA adapter on the base model as ``v0`` and register it as the
+    champion. Returns its directory."""
+    base, _ = store.load()
+    v0 = store.adapter_dir("v0")
+    if v0.exists():
+        shutil.rmtree(v0)
+    save_lora_adapter(store.new_adapter(base), v0)
+    registry.promote("v0", str(v0), {"base": str(store.base_path)}, by=by, reason=reason, action="register")
+    return str(v0)
 
 
 # -- collection ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ Every run config is generated from the pure config of its component (:mod:`flow_
 so defaults and descriptions live in one place.
 """
 
-import shutil
 import time
 
 import numpy as np
@@ -36,13 +35,13 @@ from flow_assets.config import dagster_config
 from flow_assets.data_plane import advantages
 from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
-from flow_assets.policy.chat import conversation_rows
-from flow_assets.policy.lora import save_lora_adapter
-from flow_assets.policy.sft import SFTConfig, sft_on_rows
-from flow_assets.policy.tiny_model import TinyModelConfig, save_tiny_policy
+from flow_assets.policy.sft import SFTConfig
+from flow_assets.policy.tiny_model import TinyModelConfig
 from flow_assets.policy.trainer import GRPOTrainerConfig
 from flow_assets.rounds import (
     CollectConfig,
+    build_base_policy,
+    register_identity_adapter,
     EvaluationConfig,
     RoundError,
     collect_batch,
@@ -94,31 +93,22 @@ def base_policy(
     """
     started = time.perf_counter()
     store = policy.store()
+    by = f"dagster run {context.run_id}"
     meta: dict = {}
     if policy.base_model_path is None:
-        if store.base_path.exists():
-            shutil.rmtree(store.base_path)
-        save_tiny_policy(store.base_path, config.model.to_pure())
-        model, tokenizer = store.load()
-        source = tasks.source()
-        demos = source.tasks("train")[: config.sft_demonstrations]
-        rows = [row for t in demos for row in conversation_rows(tokenizer, source.demonstration(t), source.tools)]
-        sft = sft_on_rows(model, rows, tokenizer.pad_token_id, config.sft.to_pure())
-        model.save_pretrained(str(store.base_path))
-        meta.update(
-            sft_demonstrations=len(demos),
-            sft_rows=len(rows),
-            sft_steps=sft.steps,
-            sft_final_loss=MetadataValue.float(float(np.mean(sft.losses[-10:]))),
-            sft_seconds=MetadataValue.float(sft.seconds),
-            parameters=sum(p.numel() for p in model.parameters()),
+        base = build_base_policy(
+            store, registry, tasks.source(), config.model.to_pure(), config.sft.to_pure(), config.sft_demonstrations, by
         )
-    model, _ = store.load()
-    v0 = store.adapter_dir("v0")
-    if v0.exists():
-        shutil.rmtree(v0)
-    save_lora_adapter(store.new_adapter(model), v0)
-    registry.promote("v0", str(v0), {"base": str(store.base_path)}, by=f"dagster run {context.run_id}", reason="base policy (SFT warm start)", action="register")
+        meta.update(
+            sft_demonstrations=base.demonstrations,
+            sft_rows=base.rows,
+            sft_steps=base.steps,
+            sft_final_loss=MetadataValue.float(base.final_loss),
+            sft_seconds=MetadataValue.float(base.seconds),
+            parameters=base.parameters,
+        )
+    else:
+        register_identity_adapter(store, registry, by, "the user's base model")
     return MaterializeResult(metadata={**meta, "base_path": str(store.base_path), "champion": "v0", "seconds": time.perf_counter() - started})
 
 

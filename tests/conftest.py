@@ -26,24 +26,19 @@ def dagster_instance(tmp_path):
 
 
 def make_policy_dir(root: Path, sft_steps: int = 0, seed: int = 0) -> Path:
-    """A policy directory as ``base_policy`` leaves it: the tiny model (SFT'd on ``sft_steps`` of
-    calculator demonstrations when > 0), champion ``v0`` registered. Returns the directory."""
-    from flow_assets.policy.chat import conversation_rows
-    from flow_assets.policy.lora import add_lora_adapter, save_lora_adapter
-    from flow_assets.policy.sft import SFTConfig, sft_on_rows
-    from flow_assets.policy.tiny_model import load_policy, save_tiny_policy
+    """A policy directory as ``base_policy`` leaves it: the tiny model, warm-started on
+    ``sft_steps`` of calculator demonstrations (none: random answers), champion ``v0``."""
+    from flow_assets.policy.sft import SFTConfig
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.policy.tiny_model import TinyModelConfig
+    from flow_assets.rounds import build_base_policy
     from flow_assets.tasks.calculator import CalculatorSource
     from resources.registry import AdapterRegistry
 
-    save_tiny_policy(root / "base")
-    model, tokenizer = load_policy(root / "base")
-    if sft_steps:
-        source = CalculatorSource()
-        rows = [r for t in source.tasks("train")[:500] for r in conversation_rows(tokenizer, source.demonstration(t), source.tools)]
-        sft_on_rows(model, rows, tokenizer.pad_token_id, SFTConfig(steps=sft_steps, seed=seed))
-        model.save_pretrained(str(root / "base"))
-    save_lora_adapter(add_lora_adapter(model), root / "adapters" / "v0")
-    AdapterRegistry(root=str(root)).promote("v0", str(root / "adapters" / "v0"), {}, by="test", reason="test", action="register")
+    build_base_policy(
+        PolicyStore(str(root)), AdapterRegistry(root=str(root)), CalculatorSource(), TinyModelConfig(seed=seed),
+        SFTConfig(steps=sft_steps, seed=seed), 500 if sft_steps else 1, by="test",
+    )  # fmt: skip
     return root
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import collection, data_plane, sample_efficiency, trainer_vs_trl, training_round
+from benchmarks import collection, data_plane, gateway, sample_efficiency, trainer_vs_trl, training_round
 from benchmarks.__main__ import main as bench_main
 from benchmarks.common import linear_fit, ratio, scaling_exponent, summarize
 
@@ -117,6 +117,18 @@ def test_collection_quick_compares_eight_rollouts_with_one_and_all_batch_sizes()
     assert set(result["by_batch_size"]) == {"8", "64", "256"}
     for b, r in result["by_batch_size"].items():
         assert r["completions"] == int(b) and positive(r["completions_per_second"]) and positive(r["tokens_per_second"])
+    assert_headline(result)
+
+
+def test_gateway_quick_compares_agents_overhead_and_throughput():
+    result = gateway.run(quick=True)
+    pair = result["agents_8_vs_1"]
+    assert positive(pair["ratio_8_over_1"]) and isinstance(pair["meets_goal"], bool)
+    assert positive(result["overhead"]["gateway_seconds"]["median"]) and positive(result["overhead"]["in_process_seconds"]["median"])
+    assert set(result["throughput"]) == {"8", "64", "256"}
+    for c, r in result["throughput"].items():
+        assert r["completions"] >= int(c) and positive(r["completions_per_second"])
+        assert 1 <= r["mean_rows_per_generation"] <= int(c)  # batched, never more rows than agents
     assert_headline(result)
 
 

@@ -1,0 +1,177 @@
+"""The gateway: agents over HTTP against the in-process gateway, on the tiny model.
+
+1. ``8 vs 1``: the built-in calculator agent (two LLM calls and a tool call per rollout) on one
+   task, 8 rollouts at once against 1, through the gateway over real HTTP with the ``openai``
+   client, timed alternately. Goal (the issue): 8 cost at most 1.3x one, i.e. the gateway batches
+   concurrent agents' calls into shared forward passes.
+2. ``overhead``: 8 concurrent chat completions through the gateway (one per agent, 32 tokens at
+   T = 1, fresh model so nearly every completion runs to its cap) against sampling the same 8
+   rendered prompts in process with :func:`~flow_assets.policy.sampling.sample_token_ids` at
+   batch 8. Goal: at most 10% more time through the gateway.
+3. ``throughput``: chat completions per second through the gateway with 8, 64 and 256 agents
+   calling at once (8 tokens each), and in process at the same batch sizes.
+
+Everything runs in this process with the harness's clients (real sockets on 127.0.0.1): the
+client side (``openai``, ``httpx2``) shares the interpreter with the server, as in the
+collection job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import torch
+
+from benchmarks.common import ratio, summarize
+
+FULL = {"pairs": 15, "overhead_repeats": 20, "throughput_calls": 512, "sft_steps": 200}
+QUICK = {"pairs": 1, "overhead_repeats": 1, "throughput_calls": 16, "sft_steps": 10}
+CONCURRENCY = (8, 64, 256)
+OVERHEAD_TOKENS = 32
+THROUGHPUT_TOKENS = 8
+
+
+def _policy(root: Path, sft_steps: int):
+    from flow_assets.policy.sft import SFTConfig
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.policy.tiny_model import TinyModelConfig
+    from flow_assets.rounds import build_base_policy
+    from flow_assets.tasks.calculator import CalculatorSource
+    from resources.registry import AdapterRegistry
+
+    store = PolicyStore(str(root))
+    build_base_policy(store, AdapterRegistry(root=str(root)), CalculatorSource(), TinyModelConfig(), SFTConfig(steps=sft_steps),
+                      500 if sft_steps else 1, by="benchmark")  # fmt: skip
+    return store
+
+
+def agents_8_vs_1(store, pairs: int) -> dict:
+    """Seconds for 8 calculator agents and for 1 on the same task, alternating (after a warm-up)."""
+    from flow_assets.agents.builtin import calculator_agent
+    from flow_assets.agents.harness import HarnessConfig, run_rollouts
+    from flow_assets.tasks.calculator import CalculatorSource
+
+    source = CalculatorSource()
+    task = source.tasks("train")[:1]
+    config = HarnessConfig(land=False)
+    calls = {1: [], 8: []}
+    with store.gateway(store.models_root) as server:
+
+        def once(group: int) -> float:
+            started = time.perf_counter()
+            results = asyncio.run(run_rollouts(server.url, calculator_agent, task, source.score, group, agent_id="bench", config=config))
+            calls[group].append(sum(r.llm_calls for r in results) / group)
+            return time.perf_counter() - started
+
+        once(8), once(1)
+        eight, one = [], []
+        for _ in range(pairs):
+            eight.append(once(8))
+            one.append(once(1))
+    r = ratio(summarize(eight)["median"], summarize(one)["median"])
+    return {"seconds_8": summarize(eight), "seconds_1": summarize(one), "ratio_8_over_1": r, "goal": "<= 1.3",
+            "meets_goal": r <= 1.3, "llm_calls_per_rollout": {str(k): sum(v) / len(v) for k, v in calls.items()}}  # fmt: skip
+
+
+async def _concurrent_calls(url: str, prompts: list[str], calls_each: int, max_tokens: int) -> float:
+    """``len(prompts)`` clients calling at once, each ``calls_each`` times in sequence; wall seconds."""
+    tls = ssl.create_default_context()
+
+    async def agent(prompt: str) -> None:
+        async with httpx2.AsyncClient(verify=tls) as http:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0)
+            for _ in range(calls_each):
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(agent(p) for p in prompts))
+    return time.perf_counter() - started
+
+
+def _in_process(store, prompts: list[str], max_tokens: int, repeats: int) -> list[float]:
+    from flow_assets.policy.chat import render_prompt
+    from flow_assets.policy.sampling import SamplingConfig, sample_token_ids
+
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    ids = [render_prompt(tokenizer, [{"role": "user", "content": p}])[1] for p in prompts]
+    seconds = []
+    for k in range(repeats + 1):
+        started = time.perf_counter()
+        sample_token_ids(model, tokenizer, ids, SamplingConfig(num_samples=1, max_new_tokens=max_tokens, seed=k))
+        seconds.append(time.perf_counter() - started)
+    return seconds[1:]  # the first call warms up
+
+
+def overhead(store, repeats: int) -> dict:
+    """8 concurrent calls through the gateway vs one in-process batch of the same 8 prompts."""
+    prompts = [f"{100 + k}*{10 + k}" for k in range(8)]
+    with store.gateway(store.models_root) as server:
+        asyncio.run(_concurrent_calls(server.url, prompts, 1, OVERHEAD_TOKENS))
+        gateway = [asyncio.run(_concurrent_calls(server.url, prompts, 1, OVERHEAD_TOKENS)) for _ in range(repeats)]
+    direct = _in_process(store, prompts, OVERHEAD_TOKENS, repeats)
+    g, d = summarize(gateway), summarize(direct)
+    extra = ratio(g["median"], d["median"]) - 1
+    return {"gateway_seconds": g, "in_process_seconds": d, "overhead": extra, "overhead_ms_per_call": (g["median"] - d["median"]) * 1000 / 8,
+            "goal": "<= 0.10", "meets_goal": extra <= 0.10}  # fmt: skip
+
+
+def throughput(store, calls: int) -> dict:
+    """Completions/s through the gateway with c agents calling at once, and in process at batch c."""
+    out = {}
+    for c in CONCURRENCY:
+        prompts = [f"{100 + k % 900}*{10 + k % 90}" for k in range(c)]
+        each = max(1, calls // c)
+        with store.gateway(store.models_root) as server:
+            asyncio.run(_concurrent_calls(server.url, prompts[: min(c, 8)], 1, THROUGHPUT_TOKENS))
+            seconds = asyncio.run(_concurrent_calls(server.url, prompts, each, THROUGHPUT_TOKENS))
+            batches, rows = server.gateway.batcher.batches, server.gateway.batcher.rows
+        direct = summarize(_in_process(store, prompts, THROUGHPUT_TOKENS, max(1, min(5, each))))["median"]
+        out[str(c)] = {"completions": c * each, "seconds": seconds, "completions_per_second": c * each / seconds,
+                       "in_process_completions_per_second": c / direct, "mean_rows_per_generation": rows / batches}  # fmt: skip
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    """The gateway benchmark (module docstring).
+
+    Returns:
+        ``agents_8_vs_1``, ``overhead``, ``throughput`` (per concurrency) and ``headline``.
+    """
+    settings = QUICK if quick else FULL
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="flowopt-bench-gateway-"))
+    try:
+        agent_store = _policy(work / "calculator", settings["sft_steps"])
+        fresh_store = _policy(work / "fresh", 0)
+        pair = agents_8_vs_1(agent_store, settings["pairs"])
+        extra = overhead(fresh_store, settings["overhead_repeats"])
+        rates = throughput(fresh_store, settings["throughput_calls"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    headline = [
+        {"figure": "8 calculator agents / 1 over HTTP (goal <= 1.3)", "value": pair["ratio_8_over_1"], "unit": "x",
+         "note": f"median {pair['seconds_8']['median']:.3f} s for 8, {pair['seconds_1']['median']:.3f} s for 1; "
+                 f"{pair['llm_calls_per_rollout']['8']:.2f} LLM calls per rollout"},
+        {"figure": "gateway overhead, 8 concurrent calls vs in process at batch 8 (goal <= 10%)", "value": 100 * extra["overhead"],
+         "unit": "%", "note": f"{extra['overhead_ms_per_call']:.1f} ms per call; {OVERHEAD_TOKENS} tokens per completion"},
+        *({"figure": f"completions/s through the gateway, {c} agents", "value": r["completions_per_second"], "unit": "compl/s",
+           "note": f"in process at batch {c}: {r['in_process_completions_per_second']:.0f}/s; "
+                   f"{r['mean_rows_per_generation']:.1f} sequences per generate call"} for c, r in rates.items()),
+    ]  # fmt: skip
+    return {
+        "what": "the calculator agent and chat completions through the in-process gateway over HTTP (openai client), tiny model",
+        "settings": {**settings, "overhead_tokens": OVERHEAD_TOKENS, "throughput_tokens": THROUGHPUT_TOKENS,
+                     "torch_threads": torch.get_num_threads()},  # fmt: skip
+        "agents_8_vs_1": pair,
+        "overhead": extra,
+        "throughput": rates,
+        "seconds": time.perf_counter() - started,
+        "headline": headline,
+    }
