@@ -72,3 +72,54 @@ def test_wrong_explicit_format_fails_that_file_with_a_clear_error(tmp_path):
     (row,) = json.loads(out)["files"]
     assert "expected a JSON object keyed by question id" in row["error"]
     assert TAU_BENCH.name in row["error"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_starts_the_gateway_alone_and_lands_what_it_captured_on_shutdown(fresh_policy_dir, tmp_path):
+    import signal
+    import time
+
+    import httpx
+    import openai
+
+    from flow_assets.logs.schema import Trajectory
+
+    port = _free_port()
+    landing = tmp_path / "landing"
+    server = subprocess.Popen(
+        [FLOWOPT, "serve", "--models", str(fresh_policy_dir), "--landing", str(landing), "--port", str(port), "--max-tokens", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read() if server.poll() is not None else "timeout"
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", default_headers={"X-Agent-ID": "mine-1"})
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hello"}])
+        assert reply.system_fingerprint == "v0" and reply.usage.completion_tokens <= 4
+        done = httpx.post(f"http://127.0.0.1:{port}/rollouts/mine-1/finish", json={"task_id": "t1", "agent_id": "mine", "success": False})
+        assert done.json()["llm_calls"] == 1
+    finally:
+        server.send_signal(signal.SIGINT)
+        out, _ = server.communicate(timeout=60)
+    assert "flowopt gateway: http://127.0.0.1:" in out
+    (path,) = (landing / "gateway").glob("*.jsonl")
+    (trajectory,) = [Trajectory.model_validate_json(line) for line in path.read_text().splitlines()]
+    assert (trajectory.trajectory_id, trajectory.agent_id, trajectory.task_id) == ("mine-1", "mine", "t1")
+
+
+def test_serve_explains_a_missing_policy(tmp_path):
+    done = subprocess.run([FLOWOPT, "serve", "--models", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no base model" in done.stderr
