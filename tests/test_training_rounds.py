@@ -5,16 +5,19 @@ trainable policy, all through the sensors. Each test then runs rounds with its o
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
 
 from flow_assets.definitions import build_definitions
 from flow_assets.local import execute_requests, run_job, tick_sensor
 from flow_assets.rounds import EvaluationResult, RoundSummary, read_evaluation, read_round_summary
+from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from tests.conftest import TAU_BENCH
@@ -136,3 +139,32 @@ def test_rollback_command_restores_the_previous_champion(world):
     assert json.loads(done.stdout) == {"previous_champion": "v1", "champion": "v0", "adapter_path": str(world.models / "adapters" / "v0")}
     assert world.registry.champion()["version"] == "v0"
     assert world.registry.load()["history"][-1]["action"] == "rollback"
+
+
+def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tmp_path):
+    # the warm-started calculator policy (base + v0 registered), its own lake, landing and instance
+    models = tmp_path / "models"
+    shutil.copytree(calculator_policy_dir, models)
+    for path in (models / "registry.json",):
+        path.write_text(path.read_text().replace(str(calculator_policy_dir), str(models)))
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=TaskSourceResource(kind="calculator"))
+    (tmp_path / "home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        collect = {"ops": {"collect_rollouts": {"config": {"tasks_per_batch": 12, "group_size": 4}}}}
+        assert run_job(defs, instance, "collect_rollouts_job", run_config=collect).success
+        tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
+        (key,) = tick.succeeded
+        assert [r.partition_key for r in tick_sensor(defs, instance, "training_round_sensor").run_requests] == [key]
+        config = {"ops": {"evaluation_report": {"config": {"max_tasks": 24, **OPEN_GATE}}}}
+        assert run_job(defs, instance, "training_round_job", key, config).success
+    lake = TrajectoryLake(root=str(tmp_path / "lake"))
+    steps, advantages = lake.read_partition("steps", key), lake.read_partition("step_advantages", key)
+    turns = steps.join(advantages, on=["trajectory_id", "index"]).filter(pl.col("token_ids").is_not_null())
+    trained = turns.filter(pl.col("advantage") != 0)
+    summary, evaluation = read_round_summary(models / "runs" / key), read_evaluation(models / "runs" / key)
+    # one training row per LLM turn of a rollout whose group had signal; tool results never trained
+    assert summary.num_samples == trained.height and summary.dropped_zero_advantage == turns.height - trained.height
+    assert turns.height > 48 and steps.filter(pl.col("kind") == "observation")["token_ids"].null_count() > 0
+    report = evaluation.report["sampled"]["candidate"]
+    assert report["avg_llm_calls"]["mean"] > 1.5 and report["avg_tool_calls"]["mean"] > 0.5
+    assert AdapterRegistry(root=str(models)).champion()["version"] == "v1"

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
 from flow_assets.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
-from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine, UnknownModelError
+from flow_assets.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
 from flow_assets.gateway.landing import BatchLander, check_name
 from flow_assets.gateway.protocol import (
     ChatCompletionRequest,
