@@ -39,7 +39,6 @@ class GenerationRequest:
         n: completions wanted.
         temperature / top_p / max_tokens / seed: sampling settings (``seed`` ``None`` = any).
         future: resolved by the worker with ``list[Rollout]`` (``n`` of them) or an exception.
-        rows_in_batch: sequences generated together with this request (set by the worker).
     """
 
     adapter_path: str
@@ -50,7 +49,6 @@ class GenerationRequest:
     max_tokens: int
     seed: int | None = None
     future: Future = field(default_factory=Future)
-    rows_in_batch: int = 0
 
     @property
     def group_key(self) -> tuple:
@@ -140,7 +138,6 @@ class DynamicBatcher:
             return
         start = 0
         for r in requests:
-            r.rows_in_batch = len(rows)
             r.future.set_result([_cut(x, r.max_tokens) for x in rollouts[start : start + r.n]])
             start += r.n
 
