@@ -15,7 +15,7 @@ import dataclasses
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from dagster import Config
 from pydantic import Field, create_model
@@ -51,6 +51,9 @@ def _dagster_type(annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin is tuple:
         args = typing.get_args(annotation)
+        if args and typing.get_origin(args[0]) is Literal:
+            # Dagster resolves a Literal field but not a list of them: the dataclass checks the values
+            return list[str]
         return list[args[0]] if args else list
     if origin in (Mapping, dict) or annotation is Mapping:
         args = typing.get_args(annotation)

@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import polars as pl
@@ -387,16 +387,24 @@ class EvaluationConfig:
         max_tasks: held-out tasks evaluated (the first N, fixed order).
         concurrency: agents running at once (per policy and mode; four run side by side).
         timeout_s: an agent running longer counts as a failure, seconds.
+        modes: ``greedy`` (T = 0) and / or ``sampled`` (T = 1); the gate's metric must be one.
         gate: the promotion gate's thresholds.
     """
 
     max_tasks: int = 500
     concurrency: int = 128
     timeout_s: float = 120.0
+    modes: tuple[Literal["greedy", "sampled"], ...] = ("greedy", "sampled")
     gate: GateConfig = field(default_factory=GateConfig)
 
+    def __post_init__(self) -> None:
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ValueError(f"modes must be some of {sorted(MODES)}, got {self.modes!r}")
+        if self.gate.metric not in self.modes:
+            raise ValueError(f"the gate's metric {self.gate.metric!r} is not among the evaluated modes {self.modes!r}")
 
-#: the two evaluation modes: sampling temperature
+
+#: the evaluation modes: sampling temperature
 MODES = {"greedy": 0.0, "sampled": 1.0}
 
 
@@ -473,8 +481,9 @@ def evaluate_agents(
     config: EvaluationConfig,
     scratch_dir: str | Path,
 ) -> tuple[pl.DataFrame, float]:
-    """Every policy's agents on ``tasks``, greedy (T = 0) and sampled (T = 1), side by side
-    through one in-process gateway; the rollouts do not land (held-out tasks never train).
+    """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled
+    T = 1), side by side through one in-process gateway; the rollouts do not land (held-out tasks
+    never train).
 
     Returns:
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
@@ -490,6 +499,7 @@ def evaluate_agents(
                 )  # fmt: skip
                 for name in policies
                 for mode, temperature in MODES.items()
+                if mode in config.modes
             }
             done = await asyncio.gather(*runs.values())
             return dict(zip(runs, done))

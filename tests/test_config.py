@@ -44,3 +44,11 @@ def test_a_run_config_outside_a_literal_is_refused_by_dagster():
 def test_nested_gate_config_round_trips():
     evaluation = dagster_config(EvaluationConfig)(gate={"metric": "greedy", "min_gain": 0.05}).to_pure()
     assert evaluation.gate == GateConfig(metric="greedy", min_gain=0.05) and evaluation.max_tasks == 500
+    assert dagster_config(EvaluationConfig)(modes=["sampled"]).to_pure().modes == ("sampled",)
+
+
+def test_evaluation_modes_are_checked():
+    with pytest.raises(ValueError, match="modes"):
+        dagster_config(EvaluationConfig)(modes=["lukewarm"]).to_pure()
+    with pytest.raises(ValueError, match="metric"):
+        EvaluationConfig(modes=("greedy",))
