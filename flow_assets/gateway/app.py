@@ -118,11 +118,6 @@ class Gateway:
         else:
             self.lander.close_due()
 
-    def close(self) -> None:
-        """Land what is open and stop the batcher."""
-        self.housekeeping(everything=True)
-        self.batcher.close()
-
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
