@@ -6,10 +6,12 @@ is free it takes every request waiting, keeps taking new ones while they keep ar
 calling at once cost about one batched forward pass per token, not eight, while a lone caller
 waits at most ``max_wait_ms`` longer than it would alone.
 
-Requests are generated together when they share what a single ``generate`` call fixes: adapter,
-temperature, top_p and seed. Each may ask for its own ``max_tokens``: the group is generated up
-to the largest and every completion is cut at its own limit afterwards, which samples exactly
-what a separate call would (generation is left to right; what comes after the cut is discarded).
+Requests are generated together when they share what a single ``generate`` call fixes: adapter
+and seed. Each brings its own temperature and top_p (applied per row) and its own
+``max_tokens``: the group is generated up to the largest and every completion is cut at its own
+limit afterwards, which samples exactly what a separate call would (generation is left to right;
+what comes after the cut is discarded). Larger batches pay: on 2 CPU cores a decode step of
+SmolLM2-135M costs 0.27 s for 32 rows and 0.61 s for 128.
 
 Seeds: a request with a ``seed`` is batched only with requests of the same seed, and that seed
 seeds the generation, so it is reproducible for the same batch; requests without one get seeds
@@ -53,15 +55,15 @@ class GenerationRequest:
     @property
     def group_key(self) -> tuple:
         """What requests must share to be generated in one call."""
-        return (self.adapter_path, self.temperature, self.top_p, self.seed)
+        return (self.adapter_path, self.seed)
 
 
 class DynamicBatcher:
     """A worker thread generating queued :class:`GenerationRequest` s in batches.
 
     Args:
-        generate: ``fn(adapter_path, prompt_ids, SamplingConfig) -> list[Rollout]`` (e.g.
-            :meth:`PolicyEngine.generate`); called only from the worker thread.
+        generate: ``fn(adapter_path, prompt_ids, SamplingConfig, temperatures, top_ps) ->
+            list[Rollout]`` (e.g. :meth:`PolicyEngine.generate`); called only from the worker thread.
         max_batch_rows: most sequences (sum of ``n``) per batch.
         max_wait_ms: how long the worker waits for one more request before it starts a batch.
         seed: seeds the seeds given to requests without one.
@@ -120,18 +122,15 @@ class DynamicBatcher:
         first = requests[0]
         seed = first.seed if first.seed is not None else int(self._rng.integers(2**31))
         config = SamplingConfig(
-            num_samples=1,
-            temperature=first.temperature,
-            top_p=first.top_p,
-            max_new_tokens=max(r.max_tokens for r in requests),
-            seed=seed,
-            max_batch_size=self.max_batch_rows,
+            num_samples=1, max_new_tokens=max(r.max_tokens for r in requests), seed=seed, max_batch_size=self.max_batch_rows
         )
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
+        temperatures = [r.temperature for r in requests for _ in range(r.n)]
+        top_ps = [r.top_p for r in requests for _ in range(r.n)]
         self.batches += 1
         self.rows += len(rows)
         try:
-            rollouts = self._generate(first.adapter_path, rows, config)
+            rollouts = self._generate(first.adapter_path, rows, config, temperatures, top_ps)
         except Exception as exc:  # noqa: BLE001 - handed to every caller of the group
             for r in requests:
                 r.future.set_exception(exc)

@@ -34,25 +34,46 @@ class VLLMSampler:
         self._tokenizer = self._llm.get_tokenizer()
         self._lora_ids: dict[str, int] = {}
 
-    def generate(self, adapter_path: str | None, prompt_ids: list[list[int]], config: SamplingConfig) -> list[Rollout]:
+    def generate(
+        self,
+        adapter_path: str | None,
+        prompt_ids: list[list[int]],
+        config: SamplingConfig,
+        temperatures: list[float] | None = None,
+        top_ps: list[float] | None = None,
+    ) -> list[Rollout]:
         """The gateway's entry point: prompts given as token ids (vLLM's ``TokensPrompt``), never
-        re-encoded; otherwise as :meth:`sample`."""
-        return self.sample([{"prompt_token_ids": list(ids)} for ids in prompt_ids], config, adapter_path)
+        re-encoded, each with its own temperature / top_p when given; otherwise as :meth:`sample`."""
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        return self.sample(prompts, config, adapter_path, temperatures, top_ps)
 
-    def sample(self, prompts: list, config: SamplingConfig, adapter_path: str | None = None) -> list[Rollout]:
+    def sample(
+        self,
+        prompts: list,
+        config: SamplingConfig,
+        adapter_path: str | None = None,
+        temperatures: list[float] | None = None,
+        top_ps: list[float] | None = None,
+    ) -> list[Rollout]:
         """``len(prompts) * config.num_samples`` rollouts, prompt-major, with behaviour log-probs
-        (``prompts``: texts, or ``{"prompt_token_ids": [...]}`` token prompts)."""
+        (``prompts``: texts, or ``{"prompt_token_ids": [...]}`` token prompts; ``temperatures`` /
+        ``top_ps``: one per prompt, else the config's)."""
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
-        params = SamplingParams(
-            n=config.num_samples,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            max_tokens=config.max_new_tokens,
-            logprobs=0,  # only the sampled token's log-prob
-            seed=config.seed,
-        )
+        temperatures = temperatures or [config.temperature] * len(prompts)
+        top_ps = top_ps or [config.top_p] * len(prompts)
+        params = [
+            SamplingParams(
+                n=config.num_samples,
+                temperature=t,
+                top_p=p,
+                max_tokens=config.max_new_tokens,
+                logprobs=0,  # only the sampled token's log-prob
+                seed=config.seed,
+            )
+            for t, p in zip(temperatures, top_ps)
+        ]
         lora = None
         if adapter_path is not None:
             key = str(Path(adapter_path).resolve())
