@@ -236,7 +236,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            _, prompt_ids = render_prompt(tokenizer, messages, tools)
+            _, prompt_ids = render_prompt(tokenizer, messages, tools, fmt=gateway.engine.chat)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             return _error(400, f"the messages cannot be rendered with the policy's chat template: {exc}", param="messages")
         context = gateway.engine.max_positions
@@ -263,13 +263,15 @@ def create_app(gateway: Gateway) -> FastAPI:
         for index, rollout in enumerate(rollouts):
             text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
             ids, lps, text, stopped = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
-            parsed = parse_tool_calls(text, gateway.engine.tool_call_format, None if req.tool_choice == "none" else tools)
+            parsed = parse_tool_calls(text, gateway.engine.chat.tool_calls, None if req.tool_choice == "none" else tools)
             calls = [
                 {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls
             ]
             reason = "tool_calls" if calls else ("stop" if rollout.finished or stopped else "length")
-            choices.append(Choice(ids, lps, text, parsed.content, calls, reason))
+            if parsed.error:
+                log.info("rollout %s: tool call not parsed (%s); returned as text", rollout_id or "-", parsed.error)
+            choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error))
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else text}
             if calls:
                 message["tool_calls"] = calls

@@ -14,7 +14,9 @@ finished (or given up on) its turns become one :class:`~flow_assets.logs.schema.
     no tokens (a tool result is context the policy reads, never trained).
 
 A call's ``status`` is ``"error"`` when its result text starts with ``Error`` (the tau-bench
-convention; OpenAI's tool messages carry no error flag), and so is the turn that made it.
+convention; OpenAI's tool messages carry no error flag), and so is the turn that made it. A turn
+whose text attempted a tool call that did not parse is a ``message`` (or ``answer``) with status
+``"error"``; the reason is listed in the trajectory's ``metadata.tool_call_errors``.
 
 A rollout that fails (the agent raised, hung, never called the model, or was never finished)
 still lands: outcome
@@ -46,6 +48,7 @@ class Choice:
         content: the text outside tool calls (``None`` when there is none).
         tool_calls: OpenAI ``tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments``).
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        tool_call_error: why an attempted tool call did not parse (then the text is the content).
     """
 
     completion_ids: list[int]
@@ -54,6 +57,7 @@ class Choice:
     content: str | None
     tool_calls: list[dict[str, Any]]
     finish_reason: str
+    tool_call_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,10 @@ def _arguments(call: dict[str, Any]) -> Any:
 
 def turn_steps(turns: list[Turn]) -> list[Step]:
     """The steps of a rollout's turns (module docstring), indexed 0..n-1."""
+    return [Step(index=i, **s) for i, s in enumerate(_step_fields(turns))]
+
+
+def _step_fields(turns: list[Turn]) -> list[dict[str, Any]]:
     steps: list[dict[str, Any]] = []
     for k, turn in enumerate(turns):
         nxt = turns[k + 1] if k + 1 < len(turns) else None
@@ -170,7 +178,7 @@ def turn_steps(turns: list[Turn]) -> list[Step]:
                 input={"tool_calls": [{"id": c["id"], "name": c["function"]["name"], "arguments": _arguments(c)} for c in calls]}
                 if calls else None,
                 output=choice.text,
-                status="error" if any(_is_error(r) for _, r in answered) else "ok",
+                status="error" if choice.tool_call_error or any(_is_error(r) for _, r in answered) else "ok",
                 duration_ms=turn.latency_ms,
                 token_ids=list(choice.completion_ids),
                 logprobs=list(choice.logprobs),
@@ -189,7 +197,17 @@ def turn_steps(turns: list[Turn]) -> list[Step]:
                     status="error" if _is_error(result) else "ok",
                 )
             )
-    return [Step(index=i, **s) for i, s in enumerate(steps)]
+    return steps
+
+
+def tool_call_errors(turns: list[Turn]) -> list[dict[str, Any]]:
+    """``{"turn", "reason"}`` for every turn whose (chosen) completion attempted a tool call that
+    did not parse; ``turn`` counts LLM calls from 0."""
+    return [
+        {"turn": k, "reason": choice.tool_call_error}
+        for k, turn in enumerate(turns)
+        if (choice := _chosen(turn, turns[k + 1] if k + 1 < len(turns) else None)).tool_call_error
+    ]
 
 
 def _first_user_message(turns: list[Turn]) -> str:
@@ -233,6 +251,8 @@ def build_trajectory(
         "prompt_tokens": sum(len(t.prompt_ids) for t in turns),
         "completion_tokens": sum(len(st.token_ids or []) for st in steps),
     }
+    if errors := tool_call_errors(turns):
+        meta["tool_call_errors"] = errors
     versions = list(dict.fromkeys(t.adapter_version for t in turns))
     if len(versions) > 1:
         meta["adapter_versions"] = versions

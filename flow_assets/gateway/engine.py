@@ -25,10 +25,9 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoConfig, AutoTokenizer
 
-from flow_assets.policy.chat import COMPACT_CHAT_TEMPLATE
+from flow_assets.policy.chat import ChatFormat, chat_format
 from flow_assets.policy.sampling import Rollout, SamplingConfig, sample_token_ids
 from flow_assets.policy.tiny_model import load_policy
-from flow_assets.policy.tool_calls import ToolCallFormat
 
 
 class UnknownModelError(KeyError):
@@ -102,18 +101,14 @@ class AdapterResolver:
         raise UnknownModelError(f"The model '{name}' does not exist; this gateway serves: {served}")
 
 
-def detect_tool_call_format(tokenizer) -> ToolCallFormat:
-    """``"compact"`` for the tiny model's template, else ``"hermes"`` (the common open-model syntax)."""
-    return "compact" if tokenizer.chat_template == COMPACT_CHAT_TEMPLATE else "hermes"
-
-
 class PolicyEngine:
     """The base model with its adapters, sampled from token ids (not thread-safe: the gateway
     calls it from its one batching thread).
 
     Args:
         base_path: the base model directory (``from_pretrained``).
-        tool_call_format: the policy's tool-call syntax; ``None`` detects it from the template.
+        chat: how the chat template handles tools; ``None`` detects it
+            (:func:`~flow_assets.policy.chat.chat_format`).
         max_adapters: adapters kept loaded; the least recently used one is unloaded beyond it.
         backend: ``"transformers"`` (in process, CPU or GPU) or ``"vllm"`` (GPU; the optional
             ``gpu`` extra): vLLM serves the adapters as LoRA requests, the tokenizer stays this one.
@@ -128,7 +123,7 @@ class PolicyEngine:
     def __init__(
         self,
         base_path: str | Path,
-        tool_call_format: ToolCallFormat | None = None,
+        chat: ChatFormat | None = None,
         max_adapters: int = 8,
         backend: str = "transformers",
         max_lora_rank: int = 16,
@@ -151,7 +146,7 @@ class PolicyEngine:
         # the client); the tokenizer's own length warning would only repeat it in the log
         self.tokenizer.model_max_length = int(1e30)
         self.model: PeftModel | None = None
-        self.tool_call_format = tool_call_format or detect_tool_call_format(self.tokenizer)
+        self.chat = chat or chat_format(self.tokenizer)
         self.max_adapters = max_adapters
         self._loaded: dict[str, str] = {}  # adapter path -> PEFT adapter name, least recently used first
         self._counter = 0
@@ -179,13 +174,23 @@ class PolicyEngine:
         self.model.set_adapter(self._loaded[path])
         return self.model
 
-    def generate(self, adapter_path: str, prompt_ids: list[list[int]], config: SamplingConfig) -> list[Rollout]:
-        """Sample ``config.num_samples`` completions per prompt with the adapter at ``adapter_path``.
+    def generate(
+        self,
+        adapter_path: str,
+        prompt_ids: list[list[int]],
+        config: SamplingConfig,
+        temperatures: list[float] | None = None,
+        top_ps: list[float] | None = None,
+    ) -> list[Rollout]:
+        """Sample ``config.num_samples`` completions per prompt with the adapter at ``adapter_path``;
+        ``temperatures`` / ``top_ps`` give each prompt its own settings (one batch for all).
 
         Returns / raises: as :func:`~flow_assets.policy.sampling.sample_token_ids`; also
         ``OSError`` / ``ValueError`` from PEFT when the adapter directory is missing or does not
         fit the base model.
         """
         if self._vllm is not None:
-            return self._vllm.generate(adapter_path, prompt_ids, config)
-        return sample_token_ids(self._activate(adapter_path), self.tokenizer, prompt_ids, config)
+            return self._vllm.generate(adapter_path, prompt_ids, config, temperatures, top_ps)
+        return sample_token_ids(
+            self._activate(adapter_path), self.tokenizer, prompt_ids, config, temperatures=temperatures, top_ps=top_ps
+        )

@@ -11,9 +11,10 @@ gateway parses them back so the agent receives OpenAI's structured ``tool_calls`
 - ``hermes`` (Hermes, Qwen 2.5 / 3 and vLLM's ``hermes`` parser): ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>`` blocks; the text outside them is the content.
 
-A completion whose call syntax does not parse (a tool that was not offered, malformed JSON) is
-returned as plain content: the agent then sees what the policy wrote, and the rollout's outcome
-judges it.
+A completion whose call syntax does not parse (a tool that was not offered, malformed JSON, an
+unclosed ``<tool_call>``) is returned as plain content with the reason in
+:attr:`ParsedCompletion.error`: the agent then sees what the policy wrote, the rollout's outcome
+judges it, and the gateway logs the reason with the turn (a learning signal, not a server error).
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedCompletion:
-    """A completion split into its text ``content`` (``None`` when only calls) and ``tool_calls``."""
+    """A completion split into its text ``content`` (``None`` when only calls) and ``tool_calls``;
+    ``error`` says why text that attempts a call did not parse (then ``content`` is the whole
+    text and there are no calls)."""
 
     content: str | None
     tool_calls: tuple[ToolCall, ...] = ()
+    error: str | None = None
 
 
 def _first_parameter(tools: Sequence[dict[str, Any]], name: str) -> str | None:
@@ -71,28 +75,32 @@ def _closing_paren(body: str) -> int:
 
 def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
     match = _COMPACT.search(text)
-    if match is None or not text.rstrip().endswith(")"):
+    if match is None:
         return ParsedCompletion(text)
+    if not text.rstrip().endswith(")"):
+        return ParsedCompletion(text, error=f"call of {match.group(1)!r} is not closed")
     content, calls, rest = text[: match.start()], [], text[match.start() :].rstrip()
     offered = {(t.get("function") or {}).get("name") for t in tools}
     while rest:
         m = _COMPACT.match(rest)
-        if m is None or m.group(1) not in offered:
-            return ParsedCompletion(text)
+        if m is None:
+            return ParsedCompletion(text, error=f"text after a call: {rest[:40]!r}")
+        if m.group(1) not in offered:
+            return ParsedCompletion(text, error=f"tool {m.group(1)!r} was not offered")
         name, body = m.group(1), rest[m.end() :]
         if body.startswith("{"):
             try:
                 args, end = json.JSONDecoder().raw_decode(body)
-            except json.JSONDecodeError:
-                return ParsedCompletion(text)
+            except json.JSONDecodeError as exc:
+                return ParsedCompletion(text, error=f"arguments of {name!r} are not JSON: {exc}")
             if not isinstance(args, dict) or body[end : end + 1] != ")":
-                return ParsedCompletion(text)
+                return ParsedCompletion(text, error=f"arguments of {name!r} are not one JSON object")
             rest = body[end + 1 :]
         else:
             end = _closing_paren(body)
             parameter = _first_parameter(tools, name)
             if end < 0 or parameter is None:
-                return ParsedCompletion(text)
+                return ParsedCompletion(text, error=f"call of {name!r} is not closed or the tool has no parameter")
             args, rest = {parameter: body[:end]}, body[end + 1 :]
         calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
     return ParsedCompletion(content or None, tuple(calls))
@@ -101,24 +109,25 @@ def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompleti
 def _parse_hermes(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
     blocks = list(_HERMES.finditer(text))
     if not blocks:
-        return ParsedCompletion(text)
+        return ParsedCompletion(text, error="<tool_call> is not closed" if "<tool_call>" in text else None)
     offered = {(t.get("function") or {}).get("name") for t in tools}
     calls = []
-    for block in blocks:
+    for k, block in enumerate(blocks, start=1):
         try:
             call = json.loads(block.group(1))
-        except json.JSONDecodeError:
-            return ParsedCompletion(text)
+        except json.JSONDecodeError as exc:
+            return ParsedCompletion(text, error=f"<tool_call> {k} is not JSON: {exc}")
         if not isinstance(call, dict) or call.get("name") not in offered:
-            return ParsedCompletion(text)
+            name = call.get("name") if isinstance(call, dict) else None
+            return ParsedCompletion(text, error=f"<tool_call> {k} names tool {name!r}, which was not offered")
         args = call.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
-                return ParsedCompletion(text)
+            except json.JSONDecodeError as exc:
+                return ParsedCompletion(text, error=f"<tool_call> {k}: arguments are not JSON: {exc}")
         if not isinstance(args, dict):
-            return ParsedCompletion(text)
+            return ParsedCompletion(text, error=f"<tool_call> {k}: arguments are not a JSON object")
         calls.append(ToolCall(call["name"], json.dumps(args, ensure_ascii=False)))
     content = _HERMES.sub("", text).strip()
     return ParsedCompletion(content or None, tuple(calls))
@@ -134,7 +143,8 @@ def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: Sequence[dict[str, A
             is parsed as a call.
 
     Returns:
-        :class:`ParsedCompletion`; ``tool_calls`` is empty when the text makes no valid call.
+        :class:`ParsedCompletion`; ``tool_calls`` is empty when the text makes no valid call, and
+        ``error`` is set when it attempts one that does not parse.
 
     Raises:
         ValueError: unknown ``fmt``.
