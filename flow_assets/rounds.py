@@ -288,26 +288,37 @@ def read_round_summary(run_dir: Path) -> RoundSummary:
     return RoundSummary(**json.loads((Path(run_dir) / "round.json").read_text()))
 
 
-def kl_to_behaviour(model, samples: list[TrainingSample], pad_id: int) -> float:
+def kl_to_behaviour(
+    model, samples: list[TrainingSample], pad_id: int, max_samples: int | None = None, micro_batch_size: int = 16, seed: int = 0
+) -> float:
     """Mean KL(behaviour || trained policy), nats per token, on the batch's own completions.
 
     The completions were sampled from the behaviour policy, so the k3 estimator
     ``(r - 1) - log r`` with ``r = pi_new / pi_old`` (Schulman 2020, "Approximating KL
     divergence") is unbiased and non-negative for KL(pi_old || pi_new). Each row is scored at the
-    temperature it was sampled at, like the behaviour log-probs.
+    temperature it was sampled at, like the behaviour log-probs. With ``max_samples`` the mean is
+    taken over that many rows drawn without replacement (``seed``), still unbiased; rows are
+    scored ``micro_batch_size`` at a time (memory).
     """
     with_lp = [s for s in samples if s.behaviour_logprobs and s.completion_ids]
     if not with_lp:
         return 0.0
+    if max_samples is not None and len(with_lp) > max_samples:
+        chosen = np.random.default_rng(seed).choice(len(with_lp), size=max_samples, replace=False)
+        with_lp = [with_lp[i] for i in sorted(chosen)]
+    total, tokens = 0.0, 0.0
     with torch.no_grad():
-        logp, mask = completion_logprobs(
-            model, [s.prompt_ids for s in with_lp], [s.completion_ids for s in with_lp], pad_id,
-            [s.temperature for s in with_lp],
-        )  # fmt: skip
-    old = torch.zeros_like(logp)
-    for i, s in enumerate(with_lp):
-        old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
-    return float((k3_kl(old, logp) * mask).sum() / mask.sum())
+        for start in range(0, len(with_lp), micro_batch_size):
+            micro = with_lp[start : start + micro_batch_size]
+            logp, mask = completion_logprobs(
+                model, [s.prompt_ids for s in micro], [s.completion_ids for s in micro], pad_id, [s.temperature for s in micro]
+            )  # [mb, seq] each
+            old = torch.zeros_like(logp)
+            for i, s in enumerate(micro):
+                old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+            total += float((k3_kl(old, logp) * mask).sum())
+            tokens += float(mask.sum())
+    return total / tokens
 
 
 def train_candidate(
@@ -318,6 +329,7 @@ def train_candidate(
     agent_id: str,
     config: GRPOTrainerConfig,
     negate_advantages: bool = False,
+    kl_samples: int | None = 256,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -328,6 +340,7 @@ def train_candidate(
         agent_id: the trainable agent; only its trajectories' turns are trained.
         config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
         negate_advantages: train against the advantages (to test that the gate blocks it).
+        kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
 
     Returns:
         The summary (also written) and the per-step metrics.
@@ -362,7 +375,9 @@ def train_candidate(
         candidate_adapter=str(candidate),
         losses=[s.loss for s in result.steps],
         grad_norms=[s.grad_norm for s in result.steps],
-        kl_to_behaviour=kl_to_behaviour(model, samples, tokenizer.pad_token_id),
+        kl_to_behaviour=kl_to_behaviour(
+            model, samples, tokenizer.pad_token_id, kl_samples, config.micro_batch_size or 16, config.seed
+        ),
         num_samples=result.num_samples,
         dropped_zero_advantage=result.num_dropped_zero_advantage,
         resumed_from=result.resumed_from,
@@ -387,7 +402,11 @@ class EvaluationConfig:
         max_tasks: held-out tasks evaluated (the first N, fixed order).
         concurrency: agents running at once (per policy and mode; four run side by side).
         timeout_s: an agent running longer counts as a failure, seconds.
-        modes: ``greedy`` (T = 0) and / or ``sampled`` (T = 1); the gate's metric must be one.
+        modes: ``greedy`` (T = 0) and / or ``sampled`` (T = ``sampled_temperature``); the gate's
+            metric must be one.
+        sampled_temperature: the temperature of the ``sampled`` mode; 1 (the policy's own
+            distribution) by default; a small real model is usually served cooler (the
+            real-model demo evaluates and collects at 0.7).
         gate: the promotion gate's thresholds.
     """
 
@@ -395,6 +414,7 @@ class EvaluationConfig:
     concurrency: int = 128
     timeout_s: float = 120.0
     modes: tuple[Literal["greedy", "sampled"], ...] = ("greedy", "sampled")
+    sampled_temperature: float = 1.0
     gate: GateConfig = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
@@ -402,10 +422,17 @@ class EvaluationConfig:
             raise ValueError(f"modes must be some of {sorted(MODES)}, got {self.modes!r}")
         if self.gate.metric not in self.modes:
             raise ValueError(f"the gate's metric {self.gate.metric!r} is not among the evaluated modes {self.modes!r}")
+        if not self.sampled_temperature > 0:
+            raise ValueError(f"sampled_temperature must be > 0, got {self.sampled_temperature}")
+
+    @property
+    def temperatures(self) -> dict[str, float]:
+        """Sampling temperature of each evaluated mode."""
+        return {mode: 0.0 if mode == "greedy" else self.sampled_temperature for mode in self.modes}
 
 
-#: the evaluation modes: sampling temperature
-MODES = {"greedy": 0.0, "sampled": 1.0}
+#: the evaluation modes
+MODES = ("greedy", "sampled")
 
 
 @dataclass(frozen=True)
@@ -481,9 +508,9 @@ def evaluate_agents(
     config: EvaluationConfig,
     scratch_dir: str | Path,
 ) -> tuple[pl.DataFrame, float]:
-    """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled
-    T = 1), side by side through one in-process gateway; the rollouts do not land (held-out tasks
-    never train).
+    """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled at
+    ``config.sampled_temperature``), side by side through one in-process gateway; the rollouts do
+    not land (held-out tasks never train).
 
     Returns:
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
@@ -498,8 +525,7 @@ def evaluate_agents(
                     config=HarnessConfig(config.concurrency, config.timeout_s, name, temperature, None, land=False),
                 )  # fmt: skip
                 for name in policies
-                for mode, temperature in MODES.items()
-                if mode in config.modes
+                for mode, temperature in config.temperatures.items()
             }
             done = await asyncio.gather(*runs.values())
             return dict(zip(runs, done))

@@ -158,6 +158,7 @@ class TrainConfig(TrainerRunConfig):
     """GRPO round settings (the trainer's, stored with every checkpoint), and a test switch."""
 
     negate_advantages: bool = Field(False, description="train AGAINST the advantages (tests the gate)")
+    kl_samples: int | None = Field(256, description="turn rows the gate's KL to the behaviour policy is estimated on (null: all)")
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages], pool=POOL)
@@ -175,7 +176,9 @@ def policy_checkpoint(
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
     trainer = config.to_pure(output_dir="")
     try:
-        summary, steps = train_candidate(policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages)
+        summary, steps = train_candidate(
+            policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples
+        )
     except RoundError as exc:
         raise Failure(str(exc)) from exc
     frame = pl.DataFrame([vars(s) for s in steps]) if steps else pl.DataFrame()

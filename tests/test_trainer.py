@@ -175,3 +175,30 @@ def test_keeps_best_k_checkpoints_and_always_the_latest(tmp_path):
     assert state["step"] == 9 and len(state["metrics"]) == 9
     assert json.loads((tmp_path / "checkpoint-9" / "config.json").read_text())["keep_best"] == 2
     assert {p.name for p in (tmp_path / "checkpoint-9").iterdir()} >= {"adapter", "optimizer.pt", "rng_state.pt", "trainer_state.json", "config.json"}
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batches_accumulate_exactly_the_minibatch_gradient(loss_type, tmp_path):
+    from flow_assets.rl.grpo_loss import GRPOLossConfig
+
+    samples = [  # completions of different lengths, half with behaviour log-probs off the policy
+        TrainingSample(s.prompt_ids, s.completion_ids + [7] * (i % 5), s.advantage,
+                       None if s.behaviour_logprobs is None else [-4.0] * (len(s.completion_ids) + i % 5), s.task_id, (0.7, 1.0)[i % 2])
+        for i, s in enumerate(_synthetic_samples())
+    ]  # fmt: skip
+    after = {}
+    for micro in (None, 5):
+        model, _ = _policy()
+        with torch.no_grad():  # B != 0, so that A gets a gradient too
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        config = GRPOTrainerConfig(output_dir=str(tmp_path / str(micro)), minibatch_size=24, micro_batch_size=micro,
+                                   loss=GRPOLossConfig(loss_type=loss_type), learning_rate=1e-2)  # fmt: skip
+        trainer = GRPORoundTrainer(model, samples, config)
+        metrics = trainer._train_step(1)
+        after[micro] = (metrics, [p.detach().clone() for p in trainer.params])
+    (whole, params_whole), (split, params_split) = after[None], after[5]
+    assert split.loss == pytest.approx(whole.loss, rel=1e-5) and split.grad_norm == pytest.approx(whole.grad_norm, rel=1e-4)
+    assert split.mean_ratio == pytest.approx(whole.mean_ratio, rel=1e-5) and split.num_tokens == whole.num_tokens
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params_whole, params_split))

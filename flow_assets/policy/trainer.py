@@ -6,12 +6,19 @@ LoRA model whose adapter is trainable, and optionally a frozen reference model. 
 the clipped GRPO surrogate of :mod:`flow_assets.rl.grpo_loss` (DeepSeekMath 2024 eq. 3)::
 
     for step in 1..total_steps:
-        logp_new: [mb, seq]   = teacher-forced log-probs of the completion tokens, each row at
-                                its sample's own sampling temperature T (as the behaviour ones)
-        logp_old: [mb, seq]   = the logged behaviour log-probs (rows without them: logp_new.detach())
-        ref_logp: [mb, seq]   = reference log-probs (only when beta > 0)
-        loss = grpo_loss(logp_new, logp_old, advantages[mb], mask, ref_logp)
-        loss.backward(); clip_grad_norm_(max_grad_norm); AdamW step
+        for each micro-batch mb of the step's minibatch (``micro_batch_size`` rows; all at once by default):
+            logp_new: [mb, seq]   = teacher-forced log-probs of the completion tokens, each row at
+                                    its sample's own sampling temperature T (as the behaviour ones)
+            logp_old: [mb, seq]   = the logged behaviour log-probs (rows without them: logp_new.detach())
+            ref_logp: [mb, seq]   = reference log-probs (only when beta > 0)
+            (w * grpo_loss(logp_new, logp_old, advantages[mb], mask, ref_logp)).backward()
+        clip_grad_norm_(max_grad_norm); AdamW step
+
+The micro-batch weight ``w`` makes the accumulated gradient exactly the gradient of the loss
+over the whole minibatch (as TRL's gradient accumulation normalises by the tokens of the whole
+batch): ``w = tokens(mb) / tokens(minibatch)`` for the token-level ``dapo`` / ``bnpo``, and
+``w = rows(mb) / rows(minibatch)`` for the per-sequence ``grpo`` and for ``dr_grpo`` (whose
+length denominator is then the minibatch's longest completion, fixed for all its micro-batches).
 
 Samples whose advantage is exactly 0 (zero-variance groups) would contribute no gradient
 (every per-token term is ``ratio * 0``); they are dropped up front and counted, and so are samples
@@ -107,6 +114,11 @@ class GRPOTrainerConfig:
         minibatch_size: completions per optimizer step. 256 (32 groups of 8) on the tiny model
             gave steady curves; smaller minibatches are noisier, and were where higher learning
             rates collapsed first.
+        micro_batch_size: completions per forward/backward pass, their gradients accumulated
+            into the step (TRL's ``per_device_train_batch_size`` with
+            ``gradient_accumulation_steps``); ``None`` = the whole minibatch at once. Memory, not
+            the result, decides it: SmolLM2-135M with LoRA on 64 rows of 128 tokens needed 10 GB
+            in micro-batches of 16 and more than 24 GB at once.
         max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
         max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
         loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
@@ -125,6 +137,7 @@ class GRPOTrainerConfig:
     weight_decay: float = 0.0
     num_epochs: int = 1
     minibatch_size: int = 256
+    micro_batch_size: int | None = None
     max_steps: int | None = None
     max_grad_norm: float = 1.0
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
@@ -229,6 +242,8 @@ class GRPORoundTrainer:
         c = self.config
         if c.minibatch_size < 1 or c.num_epochs < 1 or c.checkpoint_every < 1 or c.keep_best < 1:
             raise ValueError("minibatch_size, num_epochs, checkpoint_every and keep_best must be >= 1")
+        if c.micro_batch_size is not None and c.micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1 (or None)")
         if c.best_metric not in {f.name for f in dataclasses.fields(StepMetrics)}:
             raise ValueError(f"best_metric {c.best_metric!r} is not a StepMetrics field")
         for i, s in enumerate(samples):
@@ -314,31 +329,35 @@ class GRPORoundTrainer:
 
     def _train_step(self, step: int) -> StepMetrics:
         batch = [self.samples[i] for i in self.minibatch(step)]
-        prompts = [s.prompt_ids for s in batch]
-        completions = [s.completion_ids for s in batch]
+        total_tokens = sum(len(s.completion_ids) for s in batch)
+        longest = max(len(s.completion_ids) for s in batch)
+        loss_config = self.config.loss
+        if loss_config.loss_type == "dr_grpo" and loss_config.max_completion_length is None:
+            loss_config = dataclasses.replace(loss_config, max_completion_length=longest)
+        size = self.config.micro_batch_size or len(batch)
         self.model.train()
-        temperatures = [s.temperature for s in batch]
-        logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
-        logp_old = self._behaviour_logprobs(batch, logp_new)  # [mb, seq]
-        ref_logp = self._reference_logprobs(prompts, completions, temperatures) if self.config.loss.beta > 0 else None
-        advantages = torch.tensor([s.advantage for s in batch], dtype=logp_new.dtype)  # [mb]
-        out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, self.config.loss)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss, weighted = 0.0, {"clip_fraction": 0.0, "clip_low_fraction": 0.0, "clip_high_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0}
+        for start in range(0, len(batch), size):
+            micro = batch[start : start + size]
+            prompts = [s.prompt_ids for s in micro]
+            completions = [s.completion_ids for s in micro]
+            temperatures = [s.temperature for s in micro]
+            logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
+            logp_old = self._behaviour_logprobs(micro, logp_new)  # [mb, seq]
+            ref_logp = self._reference_logprobs(prompts, completions, temperatures) if loss_config.beta > 0 else None
+            advantages = torch.tensor([s.advantage for s in micro], dtype=logp_new.dtype)  # [mb]
+            out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, loss_config)
+            tokens = out.num_tokens
+            weight = tokens / total_tokens if loss_config.loss_type in ("dapo", "bnpo") else len(micro) / len(batch)
+            (out.loss * weight).backward()
+            loss += float(out.loss.detach()) * weight
+            for name, value in (("clip_fraction", out.clip_fraction), ("clip_low_fraction", out.clip_low_fraction),
+                                ("clip_high_fraction", out.clip_high_fraction), ("mean_ratio", out.mean_ratio), ("kl", out.mean_kl)):
+                weighted[name] += value * tokens / total_tokens  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
-        return StepMetrics(
-            step=step,
-            loss=float(out.loss.detach()),
-            grad_norm=float(grad_norm),
-            clip_fraction=out.clip_fraction,
-            clip_low_fraction=out.clip_low_fraction,
-            clip_high_fraction=out.clip_high_fraction,
-            mean_ratio=out.mean_ratio,
-            kl=out.mean_kl,
-            num_tokens=out.num_tokens,
-            num_samples=len(batch),
-        )
+        return StepMetrics(step=step, loss=loss, grad_norm=float(grad_norm), **weighted, num_tokens=total_tokens, num_samples=len(batch))
 
     @staticmethod
     def _behaviour_logprobs(batch: list[TrainingSample], logp_new: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Literal
 @dataclass(frozen=True)
 class GateConfig:
     """Attributes:
-    metric: ``"sampled"`` (temperature 1) or ``"greedy"`` held-out success.
+    metric: ``"sampled"`` (at the evaluation's sampled temperature) or ``"greedy"`` held-out success.
     min_gain: least absolute success-rate gain (0.0 = not worse).
     require_significance: also require McNemar's p < ``alpha``.
     alpha: significance level.
