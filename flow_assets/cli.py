@@ -1,4 +1,5 @@
-"""The ``flowopt`` command: ``demo``, ``ingest PATH...``, ``serve``, ``rollback``, ``schema``."""
+"""The ``flowopt`` command: ``demo``, ``demo-real``, ``ingest PATH...``, ``serve``, ``models``,
+``rollback``, ``schema``."""
 
 from __future__ import annotations
 
@@ -58,6 +59,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_real(args: argparse.Namespace) -> int:
+    from flow_assets.demo_real import run_real_demo
+    from flow_assets.policy.presets import PresetUnavailable
+
+    try:
+        run_real_demo(rounds=args.rounds, final_tasks=args.final_tasks)
+    except PresetUnavailable as exc:
+        print(f"flowopt demo-real: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from flow_assets.gateway.app import GatewayConfig
     from flow_assets.gateway.server import serve_forever
@@ -84,6 +97,39 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     serve_forever(gateway, args.host, args.port)
+    return 0
+
+
+def preset_dir(name: str, models: str | Path = ".models") -> Path:
+    """Where ``flowopt models prepare NAME`` puts a preset by default: ``<models>/presets/<name>``."""
+    return Path(models) / "presets" / name
+
+
+def _models_prepare(args: argparse.Namespace) -> int:
+    from flow_assets.policy.presets import PresetUnavailable, prepare_model
+
+    target = Path(args.dir) if args.dir else preset_dir(args.preset)
+    try:
+        prepared = prepare_model(args.preset, target, force=args.force)
+    except (KeyError, PresetUnavailable) as exc:
+        print(f"flowopt models prepare: {exc.args[0]}", file=sys.stderr)
+        return 2
+    print(json.dumps({**vars(prepared), "use": f"FLOWOPT_BASE_MODEL={prepared.path}"}, indent=2))
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from flow_assets.policy.presets import PRESETS, PresetUnavailable, find_gguf, is_prepared
+
+    for preset in PRESETS.values():
+        try:
+            find_gguf(preset)
+            installed = "installed"
+        except PresetUnavailable:
+            installed = f"not installed (pip install -e '.[{preset.extra}]')"
+        where = preset_dir(preset.name)
+        prepared = f"prepared at {where}" if is_prepared(where, preset.name) else "not prepared"
+        print(f"{preset.name}: {preset.description}; {installed}; {prepared}")
     return 0
 
 
@@ -128,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the main job end to end on the real logs (local instance)")
     demo.set_defaults(fn=_demo)
+    real = sub.add_parser("demo-real", help="train SmolLM2-135M-Instruct as a tool-using agent (needs the smollm2 extra)")
+    real.add_argument("--rounds", type=int, default=3, help="training rounds (default 3)")
+    real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
+    real.set_defaults(fn=_demo_real)
     ingest = sub.add_parser("ingest", help="land log files, register their partitions and materialise them")
     ingest.add_argument("paths", nargs="+", help="log files to ingest")
     ingest.add_argument("--source", default=None, help="source name (default: the file's folder name)")
@@ -148,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")
     serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands as an error after this many seconds")
     serve.set_defaults(fn=_serve)
+    models = sub.add_parser("models", help="pretrained model presets shipped in pip packages")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    prepare = models_sub.add_parser("prepare", help="convert a preset once into a Hugging Face directory")
+    prepare.add_argument("preset", help="preset name (see `flowopt models list`)")
+    prepare.add_argument("--dir", default=None, help="target directory (default .models/presets/<preset>)")
+    prepare.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    prepare.set_defaults(fn=_models_prepare)
+    listing = models_sub.add_parser("list", help="the presets, whether installed and prepared")
+    listing.set_defaults(fn=_models_list)
     rollback = sub.add_parser("rollback", help="restore the previous champion adapter in the registry")
     rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
