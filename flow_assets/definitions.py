@@ -30,15 +30,18 @@ def build_resources(
     formats: dict[str, str] | None = None,
     models_root: str | None = None,
     tasks: TaskSourceResource | None = None,
+    base_model_path: str | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
     ``formats`` maps landing-relative globs to parser names (default: detect by content);
-    ``tasks`` is the trainable agent's task source (default: the built-in calculator agent).
+    ``tasks`` is the trainable agent's task source (default: the built-in calculator agent);
+    ``base_model_path`` a local model to train instead of the tiny one.
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
+    base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
     return {
-        "policy": PolicyModel(models_root=models, base_model_path=os.environ.get("FLOWOPT_BASE_MODEL") or None),
+        "policy": PolicyModel(models_root=models, base_model_path=base),
         "registry": AdapterRegistry(root=models),
         "tasks": tasks or TaskSourceResource(kind="calculator"),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
@@ -54,13 +57,15 @@ def build_definitions(
     formats: dict[str, str] | None = None,
     models_root: str | None = None,
     tasks: TaskSourceResource | None = None,
+    base_model_path: str | None = None,
 ) -> Definitions:
-    """The Definitions object; tests, the demo and the CLI pass explicit paths and task sources."""
+    """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources and
+    base models."""
     return Definitions(
         assets=[*data_plane_assets, *training_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job],
         sensors=[new_logs_sensor, training_round_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path),
     )
 
 

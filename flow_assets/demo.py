@@ -202,9 +202,9 @@ def run_rounds(defs, instance, models_root: Path, rounds: int, base_config: dict
     return lines, base_seconds
 
 
-def base_vs_final(defs, models_root: Path, tasks: list, scratch: Path) -> dict:
-    """The SFT base (v0) and the final champion as agents on ``tasks``, greedy and sampled;
-    :func:`compare_policies`' report (candidate = final champion)."""
+def base_vs_final(defs, models_root: Path, tasks: list, scratch: Path, config: EvaluationConfig | None = None) -> dict:
+    """The base (v0) and the final champion as agents on ``tasks``, greedy and sampled (at
+    ``config``'s temperature); :func:`compare_policies`' report (candidate = final champion)."""
     policy, source_resource = defs.resources["policy"], defs.resources["tasks"]
     source = source_resource.source()
     champion = AdapterRegistry(root=str(models_root)).champion()
@@ -213,12 +213,12 @@ def base_vs_final(defs, models_root: Path, tasks: list, scratch: Path) -> dict:
         "candidate": AdapterRef(champion["version"], champion["adapter_path"]),
     }
     rows, _ = evaluate_agents(
-        policy.store(), source, source_resource.agent_fn(), source_resource.agent_id, tasks, policies, EvaluationConfig(), scratch
+        policy.store(), source, source_resource.agent_fn(), source_resource.agent_id, tasks, policies, config or EvaluationConfig(), scratch
     )
     return compare_policies(rows)
 
 
-def _fresh(check: dict) -> dict:
+def held_out_summary(check: dict) -> dict:
     return {
         mode: {
             "n_tasks": check[mode]["n_tasks"],
@@ -292,7 +292,7 @@ def run_demo(
     base_sampled, base_greedy = lines[0]["base_sampled_success"], lines[0]["base_greedy_success"]
     final = lines[-1]
     source = spell.resources["tasks"].source()
-    fresh = _fresh(base_vs_final(spell, spell_models, source.tasks("held_out")[SPELL_EVAL["max_tasks"] :], spell_models))
+    fresh = held_out_summary(base_vs_final(spell, spell_models, source.tasks("held_out")[SPELL_EVAL["max_tasks"] :], spell_models))
     print(
         f"\nspell_backward: SFT base held-out success greedy {base_greedy:.3f}, sampled {base_sampled:.3f}; final champion "
         f"{final['champion']}: greedy {final['greedy_success']:.3f}, sampled {final['sampled_success']:.3f}; on "
@@ -308,7 +308,7 @@ def run_demo(
         agent_defs, instance, models_root, agent_rounds, AGENT_BASE, AGENT_COLLECT, AGENT_TRAIN, AGENT_EVAL
     )
     agent_source = agent_defs.resources["tasks"].source()
-    check = _fresh(base_vs_final(agent_defs, models_root, agent_source.tasks("held_out"), models_root))
+    check = held_out_summary(base_vs_final(agent_defs, models_root, agent_source.tasks("held_out"), models_root))
     stats = _agent_batch_stats(lake, [line["batch"] for line in agent_lines])
     agent_seconds = time.perf_counter() - t0
     sampled = check["sampled"]

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from flow_assets.agents.harness import AgentFn, load_agent
 from flow_assets.tasks.calculator import CalculatorSource, CalculatorSourceConfig
+from flow_assets.tasks.word_problems import WordProblemSource, WordProblemSourceConfig
 from flow_assets.tasks.sources import JsonlSource, JsonlSourceConfig, ReasoningGymSource, ReasoningGymSourceConfig
 
 #: the built-in agent of each kind of task source
@@ -18,6 +19,7 @@ DEFAULT_AGENTS = {
     "reasoning_gym": "flow_assets.agents.builtin:one_turn_agent",
     "jsonl": "flow_assets.agents.builtin:one_turn_agent",
     "calculator": "flow_assets.agents.builtin:calculator_agent",
+    "word_problems": "flow_assets.agents.builtin:word_problem_agent",
 }
 
 
@@ -32,6 +34,11 @@ def _reasoning_gym(name: str, size: int, seed: int, config_items: tuple, held_ou
 
 
 @lru_cache(maxsize=8)
+def _word_problems(seed: int, held_out_percent: int) -> WordProblemSource:
+    return WordProblemSource(WordProblemSourceConfig(seed=seed, held_out_percent=held_out_percent))
+
+
+@lru_cache(maxsize=8)
 def _calculator(size: int, seed: int, held_out_percent: int) -> CalculatorSource:
     return CalculatorSource(CalculatorSourceConfig(size=size, seed=seed, held_out_percent=held_out_percent))
 
@@ -42,7 +49,8 @@ class TaskSourceResource(ConfigurableResource):
     Attributes:
         kind: ``"reasoning_gym"`` (a generated dataset, one-turn), ``"jsonl"`` (a file of
             ``{task_id, query, reference}`` lines scored by ``verifier``, one-turn) or
-            ``"calculator"`` (the built-in multi-turn tool-using task).
+            ``"calculator"`` (the built-in multi-turn tool-using task) or ``"word_problems"``
+            (arithmetic stories, a calculator and worked examples: the real-model task).
         name / dataset_config / size / seed: the reasoning-gym dataset (default ``spell_backward``
             with 3-5 letter words); ``size`` and ``seed`` also generate the calculator tasks.
         path / verifier: the JSONL file and its verifier (``exact``, ``exact_ci``, ``contains``).
@@ -51,7 +59,7 @@ class TaskSourceResource(ConfigurableResource):
             default: the built-in agent of ``kind``.
     """
 
-    kind: Literal["reasoning_gym", "jsonl", "calculator"] = Field("reasoning_gym", description="task source kind")
+    kind: Literal["reasoning_gym", "jsonl", "calculator", "word_problems"] = Field("reasoning_gym", description="task source kind")
     name: str = Field("spell_backward", description="reasoning-gym dataset name")
     dataset_config: dict[str, Any] = Field(
         default_factory=lambda: {"min_word_len": 3, "max_word_len": 5}, description="reasoning-gym config"
@@ -63,7 +71,7 @@ class TaskSourceResource(ConfigurableResource):
     held_out_percent: int = Field(20, description="held-out share of task ids, percent")
     agent: str | None = Field(None, description="the agent, module:function; default: the kind's built-in agent")
 
-    def source(self) -> ReasoningGymSource | JsonlSource | CalculatorSource:
+    def source(self) -> ReasoningGymSource | JsonlSource | CalculatorSource | WordProblemSource:
         """The task source this configuration describes.
 
         Raises:
@@ -75,6 +83,8 @@ class TaskSourceResource(ConfigurableResource):
             )
         if self.kind == "calculator":
             return _calculator(self.size, self.seed, self.held_out_percent)
+        if self.kind == "word_problems":
+            return _word_problems(self.seed, self.held_out_percent)
         if not self.path:
             raise ValueError("task source kind 'jsonl' needs a path")
         return JsonlSource(JsonlSourceConfig(path=self.path, verifier=self.verifier, held_out_percent=self.held_out_percent))
@@ -90,4 +100,7 @@ class TaskSourceResource(ConfigurableResource):
     @property
     def agent_id(self) -> str:
         """The agent id written on rollouts of the trainable policy for this task source."""
-        return {"reasoning_gym": f"flowopt:{self.name}", "jsonl": "flowopt:jsonl", "calculator": "flowopt:calculator"}[self.kind]
+        return {
+            "reasoning_gym": f"flowopt:{self.name}", "jsonl": "flowopt:jsonl", "calculator": "flowopt:calculator",
+            "word_problems": "flowopt:word_problems",
+        }[self.kind]  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 from openai import AsyncOpenAI
 
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
+from flow_assets.tasks.word_problems import WORKED_EXAMPLES
 from flow_assets.tasks.sources import Task
 
 
@@ -27,10 +28,25 @@ async def calculator_agent(client: AsyncOpenAI, task: Task, max_turns: int = 4) 
     """A tool-using agent loop: the policy either calls ``calculator`` (the agent runs it and
     sends the result back) or answers. Returns the first answer without a tool call, or ``None``
     after ``max_turns`` LLM calls without one."""
-    messages: list[dict] = [{"role": "user", "content": task.prompt}]
+    return await calculator_loop(client, [{"role": "user", "content": task.prompt}], max_turns, max_tokens=32)
+
+
+async def word_problem_agent(client: AsyncOpenAI, task: Task, max_turns: int = 3) -> str | None:
+    """The real-model agent of :mod:`flow_assets.tasks.word_problems`: two worked examples (a
+    question, a calculator call, its result, the answer), then the task's question, in the
+    :func:`calculator_loop`. A call's completion is capped at 48 tokens (a Hermes calculator call
+    is about 30)."""
+    messages = [*WORKED_EXAMPLES, {"role": "user", "content": task.prompt}]
+    return await calculator_loop(client, messages, max_turns, max_tokens=48)
+
+
+async def calculator_loop(client: AsyncOpenAI, messages: list[dict], max_turns: int, max_tokens: int) -> str | None:
+    """Call the policy with ``messages`` and the calculator tool; run every call it makes and
+    send the results back, until it answers without a call (that answer is returned) or
+    ``max_turns`` LLM calls were made (``None``). ``messages`` grows with the conversation."""
     for _ in range(max_turns):
         response = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR_TOOL], max_tokens=32
+            model="policy", messages=messages, tools=[CALCULATOR_TOOL], max_tokens=max_tokens
         )
         message = response.choices[0].message
         if not message.tool_calls:

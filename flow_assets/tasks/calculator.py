@@ -139,14 +139,17 @@ class CalculatorSource:
     def demonstration(self, task: Task) -> list[dict[str, Any]]:
         """The conversation an expert agent has on ``task`` (OpenAI messages): a calculator call,
         its result, the answer."""
-        call = {
-            "id": "call_0",
-            "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": task.prompt})},
-        }
-        return [
-            {"role": "user", "content": task.prompt},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": calculator(task.prompt)},
-            {"role": "assistant", "content": task.reference},
-        ]
+        return calculator_conversation(task.prompt, task.prompt)
+
+
+def calculator_conversation(question: str, expression: str) -> list[dict[str, Any]]:
+    """An expert's conversation (OpenAI messages): the user's ``question``, one calculator call
+    of ``expression``, its result, and that result as the answer."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    result = calculator(expression)
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": result},
+        {"role": "assistant", "content": result},
+    ]
