@@ -26,44 +26,116 @@ What is timed, per step, after warm-up steps:
 
 Ratios flowopt / TRL (below 1: flowopt is faster) for the whole step, the training part and the
 generation part. A TRL configuration that fails is reported with its error text.
+
+A third mode, ``smollm2_lora``, runs the same comparison on the real pretrained model
+(SmolLM2-135M-Instruct, prepared from the ``smollm2`` extra; skipped without it): the first turn of
+the real-model demo's word-problem agent (two worked examples and a question, the calculator
+tool written into the system message by flowopt's chat rendering) for 8 train tasks, 8
+completions each at T = 0.5 (the demo's), at most 40 new tokens, lr 2e-4, micro-batches of 16
+(TRL: ``per_device_train_batch_size`` 16 with 4 accumulation steps, one generation per optimizer
+step); reward 1 when the completion calls the calculator with the story's expression. Both sides
+get the same prompt text and tokenise it to the same ids (checked). One timed step per side, no
+warm-up (a step takes minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import json
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 import torch
 
-from benchmarks.common import ratio, summarize
+from benchmarks.common import REPO_ROOT, ratio, summarize
 
 NUM_PROMPTS = 8
 NUM_GENERATIONS = 8
-MAX_NEW_TOKENS = 8
-LEARNING_RATE = 2e-3
 EPSILON = 0.2
-MODES = ("full", "lora")
+MODES = ("full", "lora", "smollm2_lora")
 FULL_STEPS, FULL_WARMUP = 20, 3
 QUICK_STEPS, QUICK_WARMUP = 2, 1
 
 
-def prompts_and_scorer():
-    """The 8 train prompts and ``score(prompt, completion) -> reward`` (the spell_backward verifier)."""
-    from flow_assets.tasks.sources import ReasoningGymSource, ReasoningGymSourceConfig
+@dataclass(frozen=True)
+class Setup:
+    """What one mode compares: the model, its prompts and sampling, the step's size.
 
-    source = ReasoningGymSource(ReasoningGymSourceConfig(size=200, seed=0))
-    tasks = source.tasks("train")[:NUM_PROMPTS]
-    by_prompt = {t.prompt: t for t in tasks}
-    return [t.prompt for t in tasks], lambda prompt, completion: source.score(by_prompt[prompt], completion)
+    Attributes:
+        lora: train a LoRA adapter (else the full model).
+        max_new_tokens / temperature / learning_rate: generation cap, sampling temperature, AdamW lr.
+        micro_batch_size: rows per forward/backward (``None``: all 64 at once).
+        steps / warmup: timed steps and untimed ones before them (``None``: the run's sizes).
+    """
+
+    lora: bool
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 2e-3
+    micro_batch_size: int | None = None
+    steps: int | None = None
+    warmup: int | None = None
 
 
-def tiny_model_and_tokenizer():
-    """A freshly initialised tiny Llama (default config, seed 0) and the character tokenizer."""
+SETUPS = {
+    "full": Setup(lora=False),
+    "lora": Setup(lora=True),
+    "smollm2_lora": Setup(lora=True, max_new_tokens=40, temperature=0.5, learning_rate=2e-4, micro_batch_size=16, steps=1, warmup=0),
+}
+
+
+def prompts_and_scorer(mode: str, tokenizer):
+    """The 8 train prompts (texts) and ``score(prompt, completion) -> reward`` of ``mode``: the
+    spell_backward verifier on the tiny model; for SmolLM2 the word-problem agent's first turn,
+    rendered with flowopt's chat template code, scored 1 when it calls the calculator with the
+    story's expression."""
+    if mode != "smollm2_lora":
+        from flow_assets.tasks.sources import ReasoningGymSource, ReasoningGymSourceConfig
+
+        source = ReasoningGymSource(ReasoningGymSourceConfig(size=200, seed=0))
+        tasks = source.tasks("train")[:NUM_PROMPTS]
+        by_prompt = {t.prompt: t for t in tasks}
+        return [t.prompt for t in tasks], lambda prompt, completion: source.score(by_prompt[prompt], completion)
+    from flow_assets.policy.chat import render_prompt
+    from flow_assets.policy.tool_calls import parse_tool_calls
+    from flow_assets.tasks.calculator import CALCULATOR_TOOL
+    from flow_assets.tasks.word_problems import WORKED_EXAMPLES, WordProblemSource
+
+    tasks = WordProblemSource().tasks("train")[:NUM_PROMPTS]
+    texts = {}
+    for t in tasks:
+        text, ids = render_prompt(tokenizer, [*WORKED_EXAMPLES, {"role": "user", "content": t.prompt}], [CALCULATOR_TOOL])
+        if tokenizer(text)["input_ids"] != ids:  # TRL tokenises the text itself: it must get the gateway's ids
+            raise RuntimeError("TRL would tokenise the rendered prompt to other ids than the gateway's")
+        texts[text] = t
+
+    def score(prompt: str, completion: str) -> float:
+        calls = parse_tool_calls(completion, "hermes", [CALCULATOR_TOOL]).tool_calls
+        return float(bool(calls) and json.loads(calls[0].arguments).get("expression") == texts[prompt].metadata["expression"])
+
+    return list(texts), score
+
+
+def model_and_tokenizer(mode: str):
+    """A fresh model and its tokenizer: the tiny Llama (default config, seed 0) with the
+    character tokenizer, or SmolLM2-135M-Instruct through ``from_pretrained``.
+
+    Raises:
+        PresetUnavailable: ``smollm2_lora`` without the ``smollm2`` extra.
+    """
+    if mode == "smollm2_lora":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from flow_assets.policy.presets import prepare_model
+
+        path = prepare_model("smollm2-135m-instruct", REPO_ROOT / ".models" / "presets" / "smollm2-135m-instruct").path
+        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     from flow_assets.policy.tiny_model import TinyModelConfig, build_tiny_model
     from flow_assets.policy.tokenizer import CharTokenizerConfig, build_char_tokenizer
 
@@ -74,7 +146,7 @@ def tiny_model_and_tokenizer():
 
 # -- TRL -----------------------------------------------------------------------------------------
 def trl_steps(mode: str, steps: int, warmup: int) -> dict:
-    """Time ``steps`` GRPOTrainer optimizer steps after ``warmup`` ones.
+    """Time ``steps`` GRPOTrainer optimizer steps after ``warmup`` ones (``mode``: :data:`SETUPS`).
 
     Returns:
         ``step_seconds``, ``generation_seconds`` (generation + scoring) and ``train_seconds``
@@ -87,8 +159,10 @@ def trl_steps(mode: str, steps: int, warmup: int) -> dict:
 
     from flow_assets.policy.lora import LLAMA_PROJECTIONS, LoraAdapterConfig
 
-    prompts, score = prompts_and_scorer()
-    model, tokenizer = tiny_model_and_tokenizer()
+    setup = SETUPS[mode]
+    model, tokenizer = model_and_tokenizer(mode)
+    prompts, score = prompts_and_scorer(mode, tokenizer)
+    micro = setup.micro_batch_size or NUM_PROMPTS * NUM_GENERATIONS
 
     def reward(prompts, completions, **_):
         return [score(p, c) for p, c in zip(prompts, completions)]
@@ -98,16 +172,16 @@ def trl_steps(mode: str, steps: int, warmup: int) -> dict:
     args = GRPOConfig(
         output_dir=output_dir.name,
         num_generations=NUM_GENERATIONS,
-        per_device_train_batch_size=NUM_PROMPTS * NUM_GENERATIONS,
-        gradient_accumulation_steps=1,
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=1.0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=NUM_PROMPTS * NUM_GENERATIONS // micro,
+        max_completion_length=setup.max_new_tokens,
+        temperature=setup.temperature,
         top_k=0,
         top_p=1.0,
         beta=0.0,
         loss_type="dapo",
         epsilon=EPSILON,
-        learning_rate=LEARNING_RATE,
+        learning_rate=setup.learning_rate,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=1.0,
@@ -127,7 +201,7 @@ def trl_steps(mode: str, steps: int, warmup: int) -> dict:
     peft_config = (
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                    target_modules=list(LLAMA_PROJECTIONS), bias="none", task_type="CAUSAL_LM")
-        if mode == "lora" else None
+        if setup.lora else None
     )
     step_seconds: list[float] = []
     generation_seconds: list[float] = []
@@ -182,7 +256,7 @@ def full_finetune_step(model, optimizer, samples, pad_id: int) -> float:
     return float(out.loss.detach())
 
 
-def collect_batch(model, tokenizer, prompts, score, seed: int):
+def collect_batch(model, tokenizer, prompts, score, seed: int, setup: Setup = SETUPS["lora"]):
     """flowopt's collection for one step: 8 x 8 rollouts, verifier rewards, group advantages.
 
     Returns:
@@ -190,12 +264,13 @@ def collect_batch(model, tokenizer, prompts, score, seed: int):
         (zero advantages replaced by a small non-zero value, see module docstring) and the share of
         the 64 that were in zero-variance groups.
     """
-    from flow_assets.policy.sampling import SamplingConfig, sample_rollouts
+    from flow_assets.policy.sampling import SamplingConfig, sample_token_ids
     from flow_assets.policy.trainer import TrainingSample
     from flow_assets.rl.advantages import AdvantageConfig, group_advantages
 
-    rollouts = sample_rollouts(model, tokenizer, prompts, SamplingConfig(
-        num_samples=NUM_GENERATIONS, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed))
+    ids = [tokenizer(p)["input_ids"] for p in prompts]  # as TRL tokenises a text prompt
+    rollouts = sample_token_ids(model, tokenizer, ids, SamplingConfig(
+        num_samples=NUM_GENERATIONS, temperature=setup.temperature, max_new_tokens=setup.max_new_tokens, seed=seed), texts=prompts)
     rewards = pl.DataFrame({
         "group_key": [prompts[r.prompt_index] for r in rollouts],
         "reward": [score(prompts[r.prompt_index], r.completion_text) if r.error is None else 0.0 for r in rollouts],
@@ -203,7 +278,7 @@ def collect_batch(model, tokenizer, prompts, score, seed: int):
     scored = group_advantages(rewards, AdvantageConfig())
     zero = scored["zero_variance"].to_list()
     advantages = [1e-3 if z else a for a, z in zip(scored["advantage"].to_list(), zero)]
-    samples = [TrainingSample(r.prompt_ids, r.completion_ids, a, r.logprobs) for r, a in zip(rollouts, advantages)]
+    samples = [TrainingSample(r.prompt_ids, r.completion_ids, a, r.logprobs, None, setup.temperature) for r, a in zip(rollouts, advantages)]
     return samples, float(np.mean(zero))
 
 
@@ -218,22 +293,23 @@ def flowopt_steps(mode: str, steps: int, warmup: int) -> dict:
     from flow_assets.policy.trainer import GRPORoundTrainer, GRPOTrainerConfig
     from flow_assets.rl.grpo_loss import GRPOLossConfig
 
-    prompts, score = prompts_and_scorer()
-    model, tokenizer = tiny_model_and_tokenizer()
-    if mode == "lora":
+    setup = SETUPS[mode]
+    model, tokenizer = model_and_tokenizer(mode)
+    prompts, score = prompts_and_scorer(mode, tokenizer)
+    if setup.lora:
         model = add_lora_adapter(model)
         # one step, no checkpoint: the trainer never writes into output_dir here
-        config = GRPOTrainerConfig(output_dir="unused-no-checkpoint", learning_rate=LEARNING_RATE,
-                                   minibatch_size=NUM_PROMPTS * NUM_GENERATIONS,
+        config = GRPOTrainerConfig(output_dir="unused-no-checkpoint", learning_rate=setup.learning_rate,
+                                   minibatch_size=NUM_PROMPTS * NUM_GENERATIONS, micro_batch_size=setup.micro_batch_size,
                                    loss=GRPOLossConfig(eps_low=EPSILON, eps_high=EPSILON), checkpoint_every=10**9)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=0.0)
     collect, train, zero_shares = [], [], []
     for i in range(warmup + steps):
         started = time.perf_counter()
-        samples, zero_share = collect_batch(model, tokenizer, prompts, score, seed=i)
+        samples, zero_share = collect_batch(model, tokenizer, prompts, score, seed=i, setup=setup)
         collected = time.perf_counter()
-        if mode == "lora":
+        if setup.lora:
             trainer = GRPORoundTrainer(model, samples, config)
             trainer._train_step(trainer.step + 1)
         else:
@@ -254,8 +330,18 @@ def flowopt_steps(mode: str, steps: int, warmup: int) -> dict:
 # -- the benchmark -------------------------------------------------------------------------------
 def compare(mode: str, steps: int, warmup: int) -> dict:
     """flowopt and TRL in one mode, each side's timings summarised, and the flowopt/TRL ratios of
-    the medians (``step``, ``train``, ``generation``). A side that fails carries ``error``."""
-    out: dict = {}
+    the medians (``step``, ``train``, ``generation``). A side that fails carries ``error``; a mode
+    whose model is not installed carries ``skipped``."""
+    from flow_assets.policy.presets import PresetUnavailable, find_gguf, get_preset
+
+    if mode == "smollm2_lora":
+        try:
+            find_gguf(get_preset("smollm2-135m-instruct"))
+        except PresetUnavailable as exc:
+            return {"skipped": str(exc)}
+    setup = SETUPS[mode]
+    steps, warmup = setup.steps or steps, warmup if setup.warmup is None else setup.warmup
+    out: dict = {"timed_steps": steps, "warmup_steps": warmup}
     for side, fn in (("flowopt", flowopt_steps), ("trl", trl_steps)):
         try:
             raw = fn(mode, steps, warmup)
@@ -264,6 +350,8 @@ def compare(mode: str, steps: int, warmup: int) -> dict:
             continue
         out[side] = {k: summarize(v) if isinstance(v, list) else v for k, v in raw.items()}
         out[side]["completions_per_second"] = NUM_PROMPTS * NUM_GENERATIONS / out[side]["step_seconds"]["median"]
+        if "mean_reward" in raw:
+            out[side]["mean_reward"] = raw["mean_reward"]
     if "error" not in out["flowopt"] and "error" not in out["trl"]:
         out["ratio_flowopt_over_trl"] = {
             part: ratio(out["flowopt"][f"{part}_seconds"]["median"], out["trl"][f"{part}_seconds"]["median"])
@@ -281,9 +369,17 @@ def run(quick: bool = False) -> dict:
     """
     steps, warmup = (QUICK_STEPS, QUICK_WARMUP) if quick else (FULL_STEPS, FULL_WARMUP)
     started = time.perf_counter()
-    modes = {mode: compare(mode, steps, warmup) for mode in MODES}
+    modes = {
+        mode: {"skipped": "a quick run leaves out the real model (minutes per step)"} if quick and mode == "smollm2_lora"
+        else compare(mode, steps, warmup)
+        for mode in MODES
+    }  # fmt: skip
     headline = []
     for mode, res in modes.items():
+        if "skipped" in res:  # said once in the full run's table; a quick run is a smoke test
+            if not quick:
+                headline.append({"figure": f"{mode}: step flowopt / TRL", "value": None, "unit": "", "note": f"skipped: {res['skipped']}"})
+            continue
         if "ratio_flowopt_over_trl" not in res:
             errors = "; ".join(f"{side}: {res[side]['error']}" for side in ("flowopt", "trl") if "error" in res[side])
             headline.append({"figure": f"{mode}: step flowopt / TRL", "value": None, "unit": "", "note": errors})
@@ -302,8 +398,9 @@ def run(quick: bool = False) -> dict:
     return {
         "what": "one GRPO optimizer step on 8 prompts x 8 completions, flowopt vs TRL GRPOTrainer",
         "settings": {
-            "prompts": NUM_PROMPTS, "completions_per_prompt": NUM_GENERATIONS, "max_new_tokens": MAX_NEW_TOKENS,
-            "loss_type": "dapo", "epsilon": EPSILON, "beta": 0.0, "learning_rate": LEARNING_RATE,
+            "prompts": NUM_PROMPTS, "completions_per_prompt": NUM_GENERATIONS,
+            "setups": {mode: dataclasses.asdict(setup) for mode, setup in SETUPS.items()},
+            "loss_type": "dapo", "epsilon": EPSILON, "beta": 0.0,
             "optimizer": "torch.optim.AdamW", "timed_steps": steps, "warmup_steps": warmup,
             "torch_threads": torch.get_num_threads(),
             "flowopt_full_ft": "completion_logprobs + grpo_loss + AdamW (GRPORoundTrainer trains LoRA adapters only)",
