@@ -11,6 +11,7 @@ which returns the resource usage of exactly that child.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -194,6 +195,20 @@ def set_torch_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def real_model_threads(threads: int = 2):
+    """Torch intra-op threads for a real model's rows (restored after): SmolLM2-135M's matrices
+    do gain from both cores (the demo runs with them), and a step with one thread takes minutes."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def quiet_libraries() -> None:

@@ -13,6 +13,11 @@
    is worth when sampling costs what a real small model's does on this CPU.
 3. ``throughput``: chat completions per second through the gateway with 8, 64 and 256 agents
    calling at once (8 tokens each), and in process at the same batch sizes.
+4. ``smollm2``: sampling tokens/s of the real pretrained model (SmolLM2-135M-Instruct, the
+   ``smollm2`` extra; skipped without it and in quick runs): the real-model demo's word-problem
+   agents (two worked examples, the calculator tool, up to 3 LLM calls each) on 64 train tasks at
+   once through the gateway at T = 0.5, completion tokens per second of wall time; and the same
+   64 first-turn prompts sampled in process in one batch (48 new tokens at most).
 
 Everything runs in this process with the harness's clients (real sockets on 127.0.0.1): the
 client side (``openai``, ``httpx2``) shares the interpreter with the server, as in the
@@ -32,7 +37,7 @@ import httpx2
 import openai
 import torch
 
-from benchmarks.common import ratio, summarize
+from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
 
 FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200}
 QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10}
@@ -145,6 +150,49 @@ def throughput(store, calls: int) -> dict:
     return out
 
 
+def smollm2_sampling(work: Path, agents: int = 64) -> dict:
+    """Completion tokens/s of SmolLM2-135M-Instruct through the gateway (``agents`` word-problem
+    agents at once) and in process (their first-turn prompts in one batch); ``skipped`` without
+    the ``smollm2`` extra."""
+    from flow_assets.agents.builtin import word_problem_agent
+    from flow_assets.agents.harness import HarnessConfig, run_rollouts
+    from flow_assets.policy.chat import render_prompt
+    from flow_assets.policy.presets import PresetUnavailable, prepare_model
+    from flow_assets.policy.sampling import SamplingConfig, sample_token_ids
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.rounds import register_identity_adapter
+    from flow_assets.tasks.calculator import CALCULATOR_TOOL
+    from flow_assets.tasks.word_problems import WORKED_EXAMPLES, WordProblemSource
+    from resources.registry import AdapterRegistry
+
+    try:
+        base = prepare_model("smollm2-135m-instruct", REPO_ROOT / ".models" / "presets" / "smollm2-135m-instruct").path
+    except PresetUnavailable as exc:
+        return {"skipped": str(exc)}
+    store = PolicyStore(str(work / "smollm2"), base_model_path=base)
+    register_identity_adapter(store, AdapterRegistry(root=store.models_root), "benchmark", "SmolLM2 as it is")
+    source = WordProblemSource()
+    tasks = source.tasks("train")[:agents]
+    config = HarnessConfig(concurrency=agents, timeout_s=1800.0, temperature=0.5, land=False)
+    with store.gateway(work / "smollm2-landing") as server:
+        started = time.perf_counter()
+        results = asyncio.run(run_rollouts(server.url, word_problem_agent, tasks, source.score, 1, agent_id="bench", config=config))
+        seconds = time.perf_counter() - started
+    tokens = sum(r.completion_tokens for r in results)
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    prompts = [render_prompt(tokenizer, [*WORKED_EXAMPLES, {"role": "user", "content": t.prompt}], [CALCULATOR_TOOL])[1] for t in tasks]
+    started = time.perf_counter()
+    rollouts = sample_token_ids(model, tokenizer, prompts, SamplingConfig(num_samples=1, temperature=0.5, max_new_tokens=48, seed=0))
+    direct = time.perf_counter() - started
+    direct_tokens = sum(len(r.completion_ids) for r in rollouts)
+    return {
+        "agents": agents, "seconds": seconds, "completion_tokens": tokens, "tokens_per_second": tokens / seconds,
+        "llm_calls": sum(r.llm_calls for r in results), "success_rate": sum(r.success for r in results) / len(results),
+        "prompt_tokens_first_turn": len(prompts[0]),
+        "in_process_seconds": direct, "in_process_tokens": direct_tokens, "in_process_tokens_per_second": direct_tokens / direct,
+    }  # fmt: skip
+
+
 def run(quick: bool = False) -> dict:
     """The gateway benchmark (module docstring).
 
@@ -163,6 +211,8 @@ def run(quick: bool = False) -> dict:
         extra_135m = None
         if settings["overhead_repeats_135m"]:
             extra_135m = overhead(_policy(work / "size-135m", 0, SIZE_135M), settings["overhead_repeats_135m"])
+        with real_model_threads():
+            smollm2 = {"skipped": "a quick run leaves out the real model"} if quick else smollm2_sampling(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     headline = [
@@ -178,6 +228,11 @@ def run(quick: bool = False) -> dict:
         *({"figure": f"completions/s through the gateway, {c} agents", "value": r["completions_per_second"], "unit": "compl/s",
            "note": f"in process at batch {c}: {r['in_process_completions_per_second']:.0f}/s; "
                    f"{r['mean_rows_per_generation']:.1f} sequences per generate call"} for c, r in rates.items()),
+        *([{"figure": "SmolLM2-135M sampling through the gateway, 64 word-problem agents", "value": smollm2["tokens_per_second"],
+            "unit": "tokens/s", "note": f"{smollm2['completion_tokens']} tokens in {smollm2['seconds']:.0f} s ({smollm2['llm_calls']} calls); "
+                                        f"in process, their first turns in one batch: {smollm2['in_process_tokens_per_second']:.0f} tokens/s"}]
+          if "tokens_per_second" in smollm2 else
+          [] if quick else [{"figure": "SmolLM2-135M sampling through the gateway", "value": None, "unit": "", "note": f"skipped: {smollm2['skipped']}"}]),
     ]  # fmt: skip
     return {
         "what": "the calculator agent and chat completions through the in-process gateway over HTTP (openai client), tiny model",
@@ -187,6 +242,7 @@ def run(quick: bool = False) -> dict:
         "overhead": extra,
         "overhead_135m_shape": extra_135m,
         "throughput": rates,
+        "smollm2": smollm2,
         "seconds": time.perf_counter() - started,
         "headline": headline,
     }

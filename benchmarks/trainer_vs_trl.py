@@ -35,7 +35,7 @@ completions each at T = 0.5 (the demo's), at most 40 new tokens, lr 2e-4, micro-
 (TRL: ``per_device_train_batch_size`` 16 with 4 accumulation steps, one generation per optimizer
 step); reward 1 when the completion calls the calculator with the story's expression. Both sides
 get the same prompt text and tokenise it to the same ids (checked). One timed step per side, no
-warm-up (a step takes minutes on 2 CPU cores).
+warm-up (a step takes minutes), with 2 torch threads (``real_model_threads``), as the demo runs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from benchmarks.common import REPO_ROOT, ratio, summarize
+from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
 
 NUM_PROMPTS = 8
 NUM_GENERATIONS = 8
@@ -344,14 +344,13 @@ def compare(mode: str, steps: int, warmup: int) -> dict:
     out: dict = {"timed_steps": steps, "warmup_steps": warmup}
     for side, fn in (("flowopt", flowopt_steps), ("trl", trl_steps)):
         try:
-            raw = fn(mode, steps, warmup)
+            with real_model_threads() if mode == "smollm2_lora" else contextlib.nullcontext():
+                raw = fn(mode, steps, warmup)
         except Exception as exc:  # report the failure instead of crashing the suite
             out[side] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
             continue
         out[side] = {k: summarize(v) if isinstance(v, list) else v for k, v in raw.items()}
         out[side]["completions_per_second"] = NUM_PROMPTS * NUM_GENERATIONS / out[side]["step_seconds"]["median"]
-        if "mean_reward" in raw:
-            out[side]["mean_reward"] = raw["mean_reward"]
     if "error" not in out["flowopt"] and "error" not in out["trl"]:
         out["ratio_flowopt_over_trl"] = {
             part: ratio(out["flowopt"][f"{part}_seconds"]["median"], out["trl"][f"{part}_seconds"]["median"])

