@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the main job end to end on the real logs (local instance)")
     demo.set_defaults(fn=_demo)
     real = sub.add_parser("demo-real", help="train SmolLM2-135M-Instruct as a tool-using agent (needs the smollm2 extra)")
-    real.add_argument("--rounds", type=int, default=3, help="training rounds (default 3)")
+    real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     real.set_defaults(fn=_demo_real)
     ingest = sub.add_parser("ingest", help="land log files, register their partitions and materialise them")

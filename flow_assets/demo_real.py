@@ -59,7 +59,7 @@ def run_real_demo(
     models_root: Path = REPO_ROOT / ".models" / PRESET,
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
     report: Path = REPO_ROOT / "reports" / "real-model-summary.json",
-    rounds: int = 3,
+    rounds: int = 2,
     collect: dict | None = None,
     train: dict | None = None,
     gate_eval: dict | None = None,
