@@ -201,4 +201,9 @@ def test_micro_batches_accumulate_exactly_the_minibatch_gradient(loss_type, tmp_
     (whole, params_whole), (split, params_split) = after[None], after[5]
     assert split.loss == pytest.approx(whole.loss, rel=1e-5) and split.grad_norm == pytest.approx(whole.grad_norm, rel=1e-4)
     assert split.mean_ratio == pytest.approx(whole.mean_ratio, rel=1e-5) and split.num_tokens == whole.num_tokens
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params_whole, params_split))
+    # after one AdamW step: an element's update is about lr * g / (|g| + eps), so where |g| is
+    # near eps (1e-8) float rounding of the summation order moves it by a fraction of lr; 1e-3 *
+    # lr bounds that, while a missing or mis-weighted micro-batch turns the sign of many
+    # elements' gradients (a change of lr or more); a uniform scale error, invisible to Adam's
+    # first step, is caught by the grad_norm assertion above
+    assert all(torch.allclose(a, b, atol=1e-3 * config.learning_rate) for a, b in zip(params_whole, params_split))
