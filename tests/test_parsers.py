@@ -500,3 +500,54 @@ def test_documented_example_line_is_a_valid_trajectory(tmp_path: Path):
     assert not result.quarantined
     (trajectory,) = _trajectories(result)
     assert [s.kind for s in trajectory.steps] == ["plan", "tool", "tool", "answer"]
+
+
+def _same_records(a: ParseResult, b: ParseResult) -> bool:
+    dump = lambda r: [v.trajectory.model_dump_json() for v in r.valid]  # noqa: E731
+    return dump(a) == dump(b) and len(a.quarantined) == len(b.quarantined)
+
+
+def test_gzip_logs_are_read_as_their_decompressed_bytes(shared_data: Path, tmp_path: Path):
+    import gzip
+
+    tau2 = shared_data / "tau2-bench" / TAU2[1][0]
+    original = parse_file(tau2)
+    packed = tmp_path / "airline.json.gz"
+    packed.write_bytes(gzip.compress(tau2.read_bytes()))
+    assert detect_format(packed) == "tau2"
+    assert _same_records(parse_file(packed), original)
+    # canonical JSONL, compressed and named without .gz: recognised by its magic bytes
+    jsonl = tmp_path / "canonical.jsonl"
+    jsonl.write_text("".join(v.trajectory.model_dump_json() + "\n" for v in original.valid))
+    hidden = tmp_path / "canonical.log"
+    hidden.write_bytes(gzip.compress(jsonl.read_bytes()))
+    assert detect_format(hidden) == "canonical"
+    assert _same_records(parse_file(hidden), parse_file(jsonl))
+    from flow_assets.logs.chunks import read_chunks
+
+    with read_chunks(hidden, "auto", workers=2, max_records=7, max_bytes=1 << 20) as stream:
+        rows = sum(chunk.valid.height for chunk in stream)
+    assert rows == len(original.valid) and stream.records_read == len(original.valid)
+
+
+def test_a_truncated_gzip_log_is_unreadable_naming_the_file(tau_bench_path: Path, tmp_path: Path):
+    import gzip
+
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(tau_bench_path.read_bytes())[:20000])
+    with pytest.raises(UnreadableLogError, match="read failed") as caught:
+        parse_file(cut)
+    assert str(cut) in str(caught.value)
+
+
+def test_a_utf8_byte_order_mark_costs_no_record(shared_data: Path, tau_bench_path: Path, tmp_path: Path):
+    bom = b"\xef\xbb\xbf"
+    original = parse_file(tau_bench_path)
+    marked = tmp_path / tau_bench_path.name  # the agent id is taken from the file's name
+    marked.write_bytes(bom + tau_bench_path.read_bytes())
+    assert _same_records(parse_file(marked), original)
+    jsonl = tmp_path / "canonical.jsonl"
+    jsonl.write_bytes(bom + "".join(v.trajectory.model_dump_json() + "\n" for v in original.valid[:20]).encode())
+    result = parse_file(jsonl)
+    assert len(result.valid) == 20 and not result.quarantined
+    assert result.valid[0].trajectory.trajectory_id == original.valid[0].trajectory.trajectory_id

@@ -27,9 +27,11 @@ import polars as pl
 
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
+    READ_ERRORS,
     Books,
     LineConverter,
     RecordError,
+    open_log,
     read_line,
 )
 from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
@@ -174,11 +176,7 @@ def file_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
     Raises:
         UnreadableLogError: the file cannot be opened or read.
     """
-    try:
-        handle = open(path, "rb", buffering=0)
-    except OSError as error:
-        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
-    with handle:
+    with open_log(path, buffering=0) as handle:
         first_line, carry = 1, b""
         try:
             while data := handle.read(block_bytes):
@@ -188,7 +186,7 @@ def file_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
                 if block:
                     yield first_line, block
                     first_line += block.count(b"\n")
-        except OSError as error:
+        except READ_ERRORS as error:
             raise UnreadableLogError(str(path), f"read failed: {error}") from None
         if carry:
             yield first_line, carry

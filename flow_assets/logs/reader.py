@@ -18,10 +18,12 @@ from flow_assets.logs.formats import canonical, flat
 from flow_assets.logs.formats.canonical import stream_canonical
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
+    READ_ERRORS,
     LineConverter,
     RecordStream,
     empty_stream,
     load_document,
+    open_log,
 )
 from flow_assets.logs.formats.fireact import stream_fireact
 from flow_assets.logs.formats.flat import stream_flat
@@ -91,31 +93,32 @@ def _head_lines(path: Path) -> list[bytes]:
         UnreadableLogError: the file cannot be opened or read.
     """
     lines: list[bytes] = []
-    try:
-        with open(path, "rb") as handle:
+    with open_log(path) as handle:
+        try:
             for line in handle:
                 if line.strip() and len(line) <= _SNIFF_LINE_BYTES:
                     lines.append(line.strip())
                     if len(lines) >= _SNIFF_LINES:
                         break
-    except OSError as error:
-        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+        except READ_ERRORS as error:
+            raise UnreadableLogError(str(path), f"read failed: {error}") from None
     return lines
 
 
 def is_blank_file(path: str | Path) -> bool:
-    """Whether a file holds nothing but ASCII whitespace (0 bytes included); read in chunks.
+    """Whether a file holds nothing but ASCII whitespace (0 bytes included; a gzip file's
+    decompressed bytes; a byte order mark alone); read in chunks.
 
     Raises:
         UnreadableLogError: the file cannot be opened or read.
     """
-    try:
-        with open(path, "rb") as handle:
+    with open_log(path) as handle:
+        try:
             while chunk := handle.read(1 << 16):
                 if chunk.strip():
                     return False
-    except OSError as error:
-        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+        except READ_ERRORS as error:
+            raise UnreadableLogError(str(path), f"read failed: {error}") from None
     return True
 
 
@@ -133,8 +136,9 @@ def _sniff_lines(lines: list[bytes]) -> str | None:
 
 
 _UNRECOGNISED = (
-    "unrecognised log format (expected canonical or flat JSONL, or a tau-bench, tau2 or FireAct "
-    "JSON document)"
+    "unrecognised log format: not canonical or flat JSONL, nor a tau-bench, tau2 or FireAct JSON document "
+    "(gzip-compressed or not); convert it to the canonical format (`flowopt schema`, docs/log-format.md) "
+    "or name a format with --format"
 )
 
 

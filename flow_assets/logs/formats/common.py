@@ -6,16 +6,21 @@ in binary, line by line, so an oversized or non-UTF-8 line is quarantined withou
 Whole-file JSON formats (tau-bench, tau2, FireAct) are one document whose elements are records;
 a document that is not JSON at all makes the whole file unreadable, a bad element is quarantined
 with its JSON Pointer.
+
+Every reader opens a file through :func:`open_log`, so a gzip-compressed log (recognised by its
+magic bytes, whatever its name) is decompressed as it streams, and a UTF-8 byte order mark at the
+start is skipped (editors on Windows write one; it is not part of the first record).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import orjson
 from pydantic import BeforeValidator, ValidationError
@@ -24,6 +29,11 @@ from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableL
 from flow_assets.logs.schema import Trajectory
 
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
+GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
+READ_ERRORS = (OSError, EOFError)
+"""What reading an opened log can raise: I/O errors, a corrupt gzip stream (``BadGzipFile`` is
+an ``OSError``) and a truncated one (``EOFError``)."""
 EMPTY_FILE_REASON = "empty file: no records"
 
 # Converters turn one decoded record into a trajectory. The second argument says where the
@@ -299,6 +309,42 @@ def read_line(line: bytes, line_no: int, convert: LineConverter, max_record_byte
     return _convert(convert, _require_object(obj), line_no)
 
 
+def is_gzip(path: str | Path) -> bool:
+    """Whether the file starts with the gzip magic bytes ``1f 8b`` (RFC 1952, section 2.3.1).
+
+    Raises:
+        UnreadableLogError: the file cannot be opened.
+    """
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(2) == GZIP_MAGIC
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+
+
+def open_log(path: str | Path, buffering: int = -1) -> BinaryIO:
+    """Open a log file for binary reading: decompressed on the fly when it is gzip
+    (:func:`is_gzip`), positioned after a leading UTF-8 byte order mark when there is one.
+    ``buffering`` applies to a plain file (0: unbuffered, for large block reads).
+
+    Raises:
+        UnreadableLogError: the file cannot be opened, or is gzip whose first bytes do not
+            decompress (the message says so and names the file).
+    """
+    try:
+        handle: BinaryIO = gzip.open(path, "rb") if is_gzip(path) else open(path, "rb", buffering=buffering)
+    except OSError as error:
+        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    try:
+        head = handle.read(len(UTF8_BOM))
+        if head != UTF8_BOM:
+            handle.seek(0)
+    except READ_ERRORS as error:
+        handle.close()
+        raise UnreadableLogError(str(path), f"read failed: {error}") from None
+    return handle
+
+
 def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> RecordStream:
     """Stream a JSONL file, one record per non-blank line, quarantining bad lines.
 
@@ -313,11 +359,7 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
     books = Books(path, fmt)
 
     def records() -> Iterator[Record]:
-        try:
-            handle = open(path, "rb")
-        except OSError as error:
-            raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
-        with handle:
+        with open_log(path) as handle:
             try:
                 for line_no, line in enumerate(handle, start=1):
                     if line.isspace():
@@ -327,7 +369,7 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
                         yield books.accept(read_line(line, line_no, convert, max_record_bytes), line_no, line=line_no)
                     except RecordError as error:
                         yield books.quarantine(error, line.rstrip(b"\r\n"), line=line_no)
-            except OSError as error:
+            except READ_ERRORS as error:
                 raise UnreadableLogError(str(path), f"read failed: {error}") from None
         if books.records_read == 0:
             yield books.empty_file()
@@ -358,10 +400,11 @@ def load_document(path: Path) -> Document | None:
         UnreadableLogError: the file cannot be opened, is not UTF-8 (the message gives the byte
             offset), or is not JSON (truncated, trailing garbage...).
     """
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise UnreadableLogError(str(path), f"cannot open: {error.strerror or error}") from None
+    with open_log(path) as handle:
+        try:
+            data = handle.read()
+        except READ_ERRORS as error:
+            raise UnreadableLogError(str(path), f"read failed: {error}") from None
     if not data.strip():
         return None
     try:
