@@ -5,51 +5,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
-from flow_assets.local import execute_requests, local_instance, tick_sensor
+from flow_assets.local import local_instance
 from flow_assets.logs.reader import FORMATS
-from flow_assets.summary import batch_summary
 from resources.lake import TrajectoryLake
-from sensors.landing import LandedFile, batch_key, sha256_file
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from flow_assets.definitions import build_definitions
+    import os
 
-    landing, lake_root = Path(args.landing), Path(args.lake)
+    from flow_assets.definitions import build_definitions
+    from flow_assets.ingest import EXIT_USAGE, IngestUsageError, exit_code, ingest_files, resolve_arguments
+
+    try:
+        files = resolve_arguments(args.paths, args.source)
+    except IngestUsageError as exc:
+        for problem in exc.problems:
+            print(f"flowopt ingest: {problem}", file=sys.stderr)
+        print("flowopt ingest: nothing was ingested", file=sys.stderr)
+        return EXIT_USAGE
+    # the same settings as the code location (flow_assets/definitions.py), so both see one lake
+    landing = Path(args.landing or os.environ.get("FLOWOPT_LANDING", ".landing"))
+    lake_root = Path(args.lake or os.environ.get("FLOWOPT_LAKE", ".lake"))
     instance = local_instance(args.home)
-    keys_by_file: dict[str, str] = {}
-    formats: dict[str, str] = {}
-    for name in args.paths:
-        src = Path(name)
-        if not src.is_file():
-            print(f"flowopt ingest: {src}: no such file", file=sys.stderr)
-            return 2
-        source = args.source or src.resolve().parent.name
-        dest = landing / source / src.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".tmp")
-        shutil.copyfile(src, tmp)
-        tmp.rename(dest)  # the landing convention: never expose a half-written file
-        rel = dest.relative_to(landing).as_posix()
-        if args.format != "auto":
-            formats[rel] = args.format
-        stat = dest.stat()
-        keys_by_file[str(src)] = batch_key(LandedFile(dest, rel, source, stat.st_size, stat.st_mtime_ns), sha256_file(dest))
-    defs = build_definitions(str(lake_root), str(landing), formats)
-    tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
-    summary = {r["batch"]: r for r in batch_summary(TrajectoryLake(root=str(lake_root))).to_dicts()}
-    files = []
-    for path, key in keys_by_file.items():
-        row = {"file": path, "partition_key": key, **{k: v for k, v in summary.get(key, {}).items() if k not in ("batch", "file")}}
-        if key in tick.failed:
-            row["error"] = tick.failed[key]
-        files.append(row)
-    print(json.dumps({"dagster_home": str(instance.root_directory), "files": files}, indent=2))
-    return 1 if tick.failed else 0
+    defs = build_definitions(str(lake_root), str(landing))
+    results = ingest_files(
+        files, defs=defs, instance=instance, lake=TrajectoryLake(root=str(lake_root)), landing=landing,
+        fmt=args.format, force=args.force, replace=args.replace, log_level="INFO" if args.verbose else "CRITICAL",
+    )  # fmt: skip
+    report = {"dagster_home": str(instance.root_directory), "lake": str(lake_root), "files": [r.row() for r in results]}
+    print(json.dumps(report, indent=2))
+    for result in results:
+        if result.status != "ingested" or result.message:
+            print(f"flowopt ingest: {result.file}: {result.status.replace('_', ' ')}: {result.message}", file=sys.stderr)
+        if args.verbose and result.traceback:
+            print(result.traceback, file=sys.stderr)
+    return exit_code(results)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -178,13 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     real.set_defaults(fn=_demo_real)
-    ingest = sub.add_parser("ingest", help="land log files, register their partitions and materialise them")
-    ingest.add_argument("paths", nargs="+", help="log files to ingest")
-    ingest.add_argument("--source", default=None, help="source name (default: the file's folder name)")
+    ingest = sub.add_parser(
+        "ingest",
+        help="land log files, register each as a log batch and run exactly those through the data plane",
+        description="Land the named log files (a directory: the log files under it), register each as a log batch "
+        "and materialise exactly those batches. Prints one JSON row per file (trajectories, quarantined, groups, "
+        "groups_with_signal, mean_outcome, mean_shaped_reward, hint) and a line on stderr for each file that "
+        "needs attention.",
+        epilog="exit codes: 0 every file gave at least one valid trajectory; 1 a file could not be read (its line "
+        "says why); 2 argument error, nothing ingested; 3 every record of a file was quarantined; 4 a file's bytes "
+        "were already ingested and nothing ran (--force runs them again). With several files the first of 1, 3, 4 "
+        "that applies wins.",
+    )
+    ingest.add_argument("paths", nargs="+", help="log files or directories to ingest")
+    ingest.add_argument("--source", default=None, help="source name (default: the file's folder name, or the named directory's)")
     ingest.add_argument("--format", default="auto", choices=["auto", *sorted(FORMATS)], help="parser (default: detect)")
-    ingest.add_argument("--landing", default=".landing", help="landing directory (default .landing)")
-    ingest.add_argument("--lake", default=".lake", help="lake directory (default .lake)")
+    ingest.add_argument("--landing", default=None, help="landing directory (default $FLOWOPT_LANDING or .landing)")
+    ingest.add_argument("--lake", default=None, help="lake directory (default $FLOWOPT_LAKE or .lake)")
     ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
+    ingest.add_argument("--force", action="store_true", help="materialise a batch again even if its bytes were already ingested")
+    ingest.add_argument("--replace", action="store_true", help="retire earlier batches landed under the same name with other bytes")
+    ingest.add_argument("--verbose", action="store_true", help="Dagster's log and full error tracebacks on stderr")
     ingest.set_defaults(fn=_ingest)
     serve = sub.add_parser("serve", help="the policy gateway: an OpenAI-compatible server that records rollouts")
     serve.add_argument("--models", default=".models", help="the policy's models directory (default .models)")

@@ -62,7 +62,15 @@ class InteractionLogsConfig(Config):
     partitions_def=log_batches,
     group_name=GROUP,
     kinds={"parquet"},
-    check_specs=[AssetCheckSpec("records_conserved", asset="interaction_logs")],
+    check_specs=[
+        AssetCheckSpec(
+            "records_conserved",
+            asset="interaction_logs",
+            blocking=True,
+            description="valid + quarantined records = records read: nothing was silently dropped. Blocking: "
+            "a batch that fails it goes no further (no trajectories, no training).",
+        )
+    ],
 )
 def interaction_logs(
     context: AssetExecutionContext, config: InteractionLogsConfig, lake: TrajectoryLake
@@ -198,7 +206,15 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     group_name=GROUP,
     kinds={"parquet"},
     deps=[rewards],
-    check_specs=[AssetCheckSpec("advantages_finite", asset="advantages")],
+    check_specs=[
+        AssetCheckSpec(
+            "advantages_finite",
+            asset="advantages",
+            blocking=True,
+            description="every trajectory and step advantage is finite. Blocking: the run fails and "
+            "training_round_sensor never starts a round on the batch.",
+        )
+    ],
 )
 def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: TrajectoryLake) -> MaterializeResult:
     """Group-normalised advantages per trajectory (``advantages``) and per step
@@ -246,7 +262,7 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
         metadata={
             "trajectories": table.height,
             "groups": n_groups,
-            "groups_nonzero_advantage": n_groups - n_zero,
+            "groups_with_signal": n_groups - n_zero,
             "zero_variance_share": MetadataValue.float(n_zero / n_groups if n_groups else 0.0),
             "group_scope": adv_cfg.group_scope,
             "normalise_over": adv_cfg.normalise_over,

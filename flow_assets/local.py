@@ -118,10 +118,17 @@ def execute_requests(
         if result.success:
             outcome.succeeded.append(request.partition_key)
         else:
-            errors = [
-                _root_message(e.event_specific_data.error)
-                for e in result.all_events
-                if e.is_step_failure and e.event_specific_data and e.event_specific_data.error
-            ]
+            errors, _ = failure_messages(result)
             outcome.failed[request.partition_key] = "; ".join(errors) or "run failed"
     return outcome
+
+
+def failure_messages(result) -> tuple[list[str], list[str]]:
+    """The innermost error message of each failed step of a run's result (they name the file),
+    and each one's full Dagster error with its stack trace (for ``--verbose``)."""
+    errors = [
+        e.event_specific_data.error
+        for e in result.all_events
+        if e.is_step_failure and e.event_specific_data and e.event_specific_data.error
+    ]
+    return [_root_message(e) for e in errors], [e.to_string() for e in errors]

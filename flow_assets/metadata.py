@@ -33,17 +33,24 @@ def preview_table(frame: pl.DataFrame, n: int = 5) -> MetadataValue:
 
 
 def histogram_markdown(values: pl.Series, bins: int = 10) -> MetadataValue:
-    """A text histogram of ``values`` (equal-width bins over [min, max]) as a Markdown table."""
-    data = values.drop_nulls().to_numpy()
-    if data.size == 0:
-        return MetadataValue.md("_no values_")
-    lo, hi = float(data.min()), float(data.max())
+    """A text histogram of ``values`` (equal-width bins over [min, max] of the finite ones) as a
+    Markdown table; non-finite values (NaN, ±inf) get a row of their own. Values near the float64
+    limits, whose range overflows, are binned on a scaled copy."""
+    data = values.drop_nulls().to_numpy().astype(np.float64)
+    finite = data[np.isfinite(data)]
+    extra = [f"| non-finite | {data.size - finite.size} | |"] if finite.size < data.size else []
+    if finite.size == 0:
+        return MetadataValue.md("\n".join(["| bin | count | |", "|---|---:|---|", *extra]) if extra else "_no values_")
+    lo, hi = float(finite.min()), float(finite.max())
     if lo == hi:
-        return MetadataValue.md(f"| bin | count |\n|---|---|\n| {lo:.4g} | {data.size} |")
-    counts, edges = np.histogram(data, bins=bins, range=(lo, hi))
+        return MetadataValue.md("\n".join([f"| bin | count |\n|---|---|\n| {lo:.4g} | {finite.size} |", *extra]))
+    scale = max(abs(lo), abs(hi)) if not np.isfinite(hi - lo) else 1.0
+    counts, edges = np.histogram(finite / scale, bins=bins, range=(lo / scale, hi / scale))
+    edges = edges * scale
     width = max(int(counts.max()), 1)
     lines = ["| bin | count | |", "|---|---:|---|"]
     for count, left, right in zip(counts, edges[:-1], edges[1:]):
         bar = "█" * round(20 * count / width)
         lines.append(f"| [{left:.4g}, {right:.4g}) | {int(count)} | {bar} |")
+    lines.extend(extra)
     return MetadataValue.md("\n".join(lines))

@@ -7,66 +7,77 @@ import polars as pl
 from flow_assets.rl.advantages import AdvantageConfig, group_advantages
 from resources.lake import TrajectoryLake
 
-_PER_BATCH = """
-with t as (select batch, count(*) as trajectories, count(distinct task_id) as tasks,
-                  sum(n_steps)::bigint as steps from trajectories group by batch),
-     r as (select batch, avg(reward) as mean_reward, avg(r_outcome) as mean_outcome
-           from rewards group by batch),
-     g as (select batch, count(*) as groups,
-                  count(*) filter (where not zero_variance) as groups_nonzero_advantage,
-                  count(*) filter (where mixed) as groups_mixed_outcome
-           from (select batch, group_key, bool_and(zero_variance) as zero_variance,
-                        max(r_outcome) > min(r_outcome) as mixed
-                 from advantages group by batch, group_key) group by batch),
-     q as (select batch, count(*) as quarantined from quarantine group by batch)
-select t.batch, t.trajectories, g.groups, g.groups_nonzero_advantage, g.groups_mixed_outcome, t.steps,
-       coalesce(q.quarantined, 0) as quarantined, r.mean_reward, r.mean_outcome
-from t left join r using (batch) left join g using (batch) left join q using (batch)
-"""
+_QUERIES = {
+    "trajectories": """select batch, count(*) as trajectories, count(distinct task_id) as tasks,
+                              sum(n_steps)::bigint as steps from trajectories group by batch""",
+    "rewards": """select batch, avg(r_outcome) as mean_outcome, avg(reward) as mean_shaped_reward
+                  from rewards group by batch""",
+    "advantages": """select batch, count(*) as groups,
+                            count(*) filter (where not zero_variance) as groups_with_signal,
+                            count(*) filter (where mixed) as groups_mixed_outcome
+                     from (select batch, group_key, bool_and(zero_variance) as zero_variance,
+                                  max(r_outcome) > min(r_outcome) as mixed
+                           from advantages group by batch, group_key) group by batch""",
+    "quarantine": "select batch, count(*) as quarantined from quarantine group by batch",
+}
 
+_COUNTS = ("trajectories", "tasks", "groups", "groups_with_signal", "groups_mixed_outcome", "steps", "quarantined")
 
 _SUMMARY_SCHEMA = {
-    "batch": pl.String, "source": pl.String, "file": pl.String, "trajectories": pl.Int64, "groups": pl.Int64,
-    "groups_nonzero_advantage": pl.Int64, "groups_mixed_outcome": pl.Int64, "steps": pl.Int64,
-    "quarantined": pl.Int64, "mean_reward": pl.Float64, "mean_outcome": pl.Float64,
-}
+    "batch": pl.String, "source": pl.String, "file": pl.String,
+    **dict.fromkeys(_COUNTS, pl.Int64), "mean_outcome": pl.Float64, "mean_shaped_reward": pl.Float64,
+}  # fmt: skip
 
 
 def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.DataFrame:
-    """One row per materialised batch: ``batch, source, file, trajectories, groups,
-    groups_nonzero_advantage, groups_mixed_outcome, steps, quarantined, mean_reward,
-    mean_outcome`` (rewards unitless), sorted by batch; restricted to ``keys`` when given.
+    """One row per batch that has been read (its ``interaction_logs`` materialised), sorted by
+    batch, restricted to ``keys`` when given: ``batch, source, file, trajectories, tasks,
+    groups, groups_with_signal, groups_mixed_outcome, steps, quarantined, mean_outcome,
+    mean_shaped_reward``. Counts are 0 (never missing) for a batch whose records were all
+    quarantined; the means are null there.
 
-    ``groups_nonzero_advantage`` counts groups whose total reward varies (shaped terms included);
+    ``mean_outcome`` is the mean logged task outcome (success 1/0, or the score in [0, 1]);
+    ``mean_shaped_reward`` the mean total reward after shaping terms (``rewards`` asset), which
+    is what GRPO normalises. ``groups_with_signal`` counts groups whose total reward varies (a
+    non-zero advantage somewhere: DeepSeekMath GRPO, Shao et al. 2024, eq. 3);
     ``groups_mixed_outcome`` those whose logged outcome varies.
     """
-    if not all(lake.batches(t) for t in ("trajectories", "rewards", "advantages", "quarantine")):
-        return pl.DataFrame(schema=_SUMMARY_SCHEMA)  # nothing materialised end to end yet
-    frame = lake.duckdb().sql(_PER_BATCH).pl()
+    read = set(lake.batches("interaction_logs")) | set(lake.batches("quarantine"))
     manifests = pl.DataFrame(
-        [{"batch": m.key, "source": m.source, "file": m.file_name} for m in lake.registered_batches()],
+        [{"batch": m.key, "source": m.source, "file": m.file_name} for m in lake.registered_batches() if m.key in read],
         schema={"batch": pl.String, "source": pl.String, "file": pl.String},
     )
-    frame = manifests.join(frame, on="batch", how="inner").sort("batch")
     if keys is not None:
-        frame = frame.filter(pl.col("batch").is_in(keys))
-    return frame.with_columns(pl.col("mean_reward", "mean_outcome").round(4))
+        manifests = manifests.filter(pl.col("batch").is_in(keys))
+    frame = manifests
+    con = lake.duckdb() if not manifests.is_empty() else None
+    for table, query in _QUERIES.items():
+        if con is not None and lake.batches(table):
+            frame = frame.join(con.sql(query).pl(), on="batch", how="left")
+    for column, dtype in _SUMMARY_SCHEMA.items():
+        if column not in frame.columns:
+            frame = frame.with_columns(pl.lit(None, dtype).alias(column))
+    return (
+        frame.select([pl.col(c).cast(t) for c, t in _SUMMARY_SCHEMA.items()])
+        .with_columns(pl.col(*_COUNTS).fill_null(0), pl.col("mean_outcome", "mean_shaped_reward").round(4))
+        .sort("batch")
+    )
 
 
 def source_summary(lake: TrajectoryLake, per_batch: pl.DataFrame) -> pl.DataFrame:
     """Totals per source over ``per_batch``, plus the groups formed when the same ``task_id`` is
     pooled across the source's batches (``group_scope="source"``): ``pooled_groups`` and
-    ``pooled_groups_nonzero_advantage``, and ``pooled_groups_mixed_outcome``."""
+    ``pooled_groups_with_signal``, and ``pooled_groups_mixed_outcome``."""
     totals = per_batch.group_by("source").agg(
         files=pl.len(),
         trajectories=pl.col("trajectories").sum(),
         groups=pl.col("groups").sum(),
-        groups_nonzero_advantage=pl.col("groups_nonzero_advantage").sum(),
+        groups_with_signal=pl.col("groups_with_signal").sum(),
         groups_mixed_outcome=pl.col("groups_mixed_outcome").sum(),
         steps=pl.col("steps").sum(),
         quarantined=pl.col("quarantined").sum(),
-        mean_reward=(pl.col("mean_reward") * pl.col("trajectories")).sum() / pl.col("trajectories").sum(),
-        success_rate=(pl.col("mean_outcome") * pl.col("trajectories")).sum() / pl.col("trajectories").sum(),
+        mean_outcome=(pl.col("mean_outcome") * pl.col("trajectories")).sum() / pl.col("trajectories").sum(),
+        mean_shaped_reward=(pl.col("mean_shaped_reward") * pl.col("trajectories")).sum() / pl.col("trajectories").sum(),
     )
     rewards = lake.scan("rewards").filter(pl.col("batch").is_in(per_batch["batch"].to_list())).collect()
     pooled = (
@@ -79,12 +90,12 @@ def source_summary(lake: TrajectoryLake, per_batch: pl.DataFrame) -> pl.DataFram
         .group_by("source")
         .agg(
             pooled_groups=pl.len(),
-            pooled_groups_nonzero_advantage=(~pl.col("zero_variance")).sum(),
+            pooled_groups_with_signal=(~pl.col("zero_variance")).sum(),
             pooled_groups_mixed_outcome=pl.col("mixed").sum(),
         )
     )
     return (
         totals.join(pooled, on="source", how="left")
-        .with_columns(pl.col("mean_reward", "success_rate").round(4))
+        .with_columns(pl.col("mean_outcome", "mean_shaped_reward").round(4))
         .sort("source")
     )

@@ -36,7 +36,9 @@ from pydantic import Field
 
 @dataclass(frozen=True)
 class BatchManifest:
-    """One log batch. ``sha256`` is of the file's bytes; ``fmt`` is a parser name or ``"auto"``."""
+    """One log batch. ``sha256`` is of the file's bytes; ``fmt`` is a parser name or ``"auto"``;
+    ``landing_relpath`` the file's path in the landing directory (empty in manifests written
+    before it was recorded)."""
 
     key: str
     source: str
@@ -45,6 +47,7 @@ class BatchManifest:
     sha256: str
     size_bytes: int
     fmt: str = "auto"
+    landing_relpath: str = ""
 
 
 class PartitionWriter:
@@ -293,6 +296,14 @@ class TrajectoryLake(ConfigurableResource):
         tmp_manifest.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
         os.replace(tmp_manifest, batch_dir / "manifest.json")
         return snapshot
+
+    def drop_batch(self, key: str) -> None:
+        """Delete batch ``key`` from the lake: its partition of every table and its snapshot and
+        manifest (the batch is retired, e.g. replaced by a corrected file). Missing parts are fine."""
+        root = Path(self.root)
+        for table_dir in sorted(root.glob("[!_]*")) if root.exists() else []:
+            shutil.rmtree(table_dir / f"batch={key}", ignore_errors=True)
+        shutil.rmtree(self._batch_dir(key), ignore_errors=True)
 
     def batch_manifest(self, key: str) -> BatchManifest:
         """The manifest of batch ``key``.

@@ -47,6 +47,7 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
                 sha256=digest,
                 size_bytes=landed.size_bytes,
                 fmt=landing.format_for(landed.relpath),
+                landing_relpath=landed.relpath,
             ),
             landed.path,
         )

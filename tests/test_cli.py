@@ -1,6 +1,7 @@
 """`flowopt ingest` end to end: the console script, a real instance, a JSON summary on stdout."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from dagster import DagsterInstance
 
 from flow_assets.logs.reader import parse_file
 from flow_assets.partitions import log_batches
+from resources.lake import TrajectoryLake
 from tests.conftest import SHARED_DATA, TAU_BENCH
 
 FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
@@ -36,42 +38,147 @@ def test_ingest_prints_a_summary_per_file_and_registers_partitions(tmp_path):
     assert tau["partition_key"].startswith("tau-bench.gpt-4o-airline.")
     assert (tau["trajectories"], tau["groups"], tau["quarantined"]) == (200, 50, 0)
     assert tau["steps"] == sum(len(r.trajectory.steps) for r in parse_file(TAU_BENCH).valid)
-    assert 0 < tau["groups_nonzero_advantage"] <= 50
-    assert isinstance(tau["mean_reward"], float)
+    assert tau["status"] == "ingested" and "message" not in tau
+    assert 0 < tau["groups_with_signal"] <= 50
+    # tau-bench: 84 of 200 succeed; the default shaping adds +0.1 per successful tool call
+    assert tau["mean_outcome"] == 0.42 and tau["mean_shaped_reward"] > tau["mean_outcome"]
     broken = by_file["button.jsonl"]
     assert (broken["trajectories"], broken["quarantined"]) == (11, 1)
     instance = DagsterInstance.local_temp(str(tmp_path / "home"))
     assert sorted(instance.get_dynamic_partitions(log_batches.name)) == sorted(f["partition_key"] for f in report["files"])
 
 
-def test_ingesting_the_same_bytes_twice_adds_no_batch(tmp_path):
+def test_ingesting_the_same_bytes_twice_adds_no_batch_and_says_so(tmp_path):
     first = json.loads(_ingest(tmp_path, TAU_BENCH)[1])
-    rc, out, _ = _ingest(tmp_path, TAU_BENCH)
-    assert rc == 0
-    second = json.loads(out)
-    assert second["files"][0]["partition_key"] == first["files"][0]["partition_key"]
-    assert second["files"][0]["trajectories"] == 200
+    rc, out, err = _ingest(tmp_path, TAU_BENCH)
+    assert rc == 4
+    (row,) = json.loads(out)["files"]
+    assert row["partition_key"] == first["files"][0]["partition_key"]
+    assert row["status"] == "already_ingested" and row["partition_key"] in row["message"] and "--force" in row["message"]
+    assert row["trajectories"] == 200  # the figures of the batch that holds these bytes
+    assert "already ingested" in err and str(TAU_BENCH) in err
     instance = DagsterInstance.local_temp(str(tmp_path / "home"))
     assert len(instance.get_dynamic_partitions(log_batches.name)) == 1
     assert len(instance.get_runs()) == 1
+    rc, out, _ = _ingest(tmp_path, TAU_BENCH, extra=("--force",))
+    assert rc == 0 and json.loads(out)["files"][0]["trajectories"] == 200
+    assert len(DagsterInstance.local_temp(str(tmp_path / "home")).get_runs()) == 2
 
 
-def test_ingest_of_an_unreadable_file_fails_with_its_name(tmp_path):
+def test_ingest_of_an_unreadable_file_fails_with_its_own_name(tmp_path):
     bad = tmp_path / "cut.json"
     bad.write_bytes(TAU_BENCH.read_bytes()[:4000])
-    rc, out, _ = _ingest(tmp_path, bad, TAU_BENCH)
+    rc, out, err = _ingest(tmp_path, bad, TAU_BENCH)
     assert rc == 1
     files = {Path(f["file"]).name: f for f in json.loads(out)["files"]}
-    assert "cut.json" in files["cut.json"]["error"]
+    assert files["cut.json"]["status"] == "failed"
+    assert str(bad) in files["cut.json"]["message"] and "_batches" not in files["cut.json"]["message"]
+    assert "flowopt schema" in files["cut.json"]["message"]
     assert files[TAU_BENCH.name]["trajectories"] == 200
+    assert "Traceback" not in err and len(err.splitlines()) == 1  # one line for the one bad file
 
 
-def test_wrong_explicit_format_fails_that_file_with_a_clear_error(tmp_path):
+def test_a_failed_ingest_runs_again_with_the_right_format(tmp_path):
     rc, out, _ = _ingest(tmp_path, TAU_BENCH, extra=("--format", "fireact"))
     assert rc == 1
     (row,) = json.loads(out)["files"]
-    assert "expected a JSON object keyed by question id" in row["error"]
-    assert TAU_BENCH.name in row["error"]
+    assert "expected a JSON object keyed by question id" in row["message"]
+    assert str(TAU_BENCH) in row["message"]
+    # the same bytes again, now detected: the batch that failed runs, it is not "already there"
+    rc, out, err = _ingest(tmp_path, TAU_BENCH)
+    assert rc == 0, err[-2000:]
+    (row,) = json.loads(out)["files"]
+    assert (row["status"], row["trajectories"]) == ("ingested", 200)
+
+
+def test_a_file_whose_every_record_is_quarantined_is_not_a_success(tmp_path):
+    # a pretty-printed JSON document read as JSONL: every line is a bad record
+    rc, out, err = _ingest(tmp_path, TAU_BENCH, extra=("--format", "flat"))
+    assert rc == 3
+    (row,) = json.loads(out)["files"]
+    assert row["status"] == "all_quarantined"
+    assert row["trajectories"] == 0 and row["quarantined"] == sum(1 for line in TAU_BENCH.read_text().splitlines() if line.strip())
+    assert f"every record ({row['quarantined']}) was quarantined" in row["message"]
+    assert row["mean_outcome"] is None and row["groups"] == 0
+    assert "all quarantined" in err
+
+
+def test_ingest_takes_exactly_the_named_files_and_checks_them_all_first(tmp_path):
+    landing = tmp_path / "landing"
+    leftover = landing / "old" / "leftover.json"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(TAU_BENCH.read_bytes())
+    rc, _, err = _ingest(tmp_path, TAU_BENCH, tmp_path / "missing.jsonl")
+    assert rc == 2
+    assert "missing.jsonl: no such file" in err and "nothing was ingested" in err
+    assert not (landing / "tau-bench").exists() and not (tmp_path / "home").exists()
+    tau2 = SHARED_DATA / "tau2-bench" / "button-claude-opus-4-6_distyl-ai_2026-03-04" / "airline.json"
+    rc, out, err = _ingest(tmp_path, tau2)
+    assert rc == 0, err[-2000:]
+    (row,) = json.loads(out)["files"]
+    instance = DagsterInstance.local_temp(str(tmp_path / "home"))
+    assert instance.get_dynamic_partitions(log_batches.name) == [row["partition_key"]]  # the leftover is not run
+
+
+def test_a_directory_argument_ingests_its_log_files(tmp_path):
+    logs = tmp_path / "my-agent"
+    (logs / "day2").mkdir(parents=True)
+    (logs / "a.json").write_bytes(TAU_BENCH.read_bytes())
+    tau2 = SHARED_DATA / "tau2-bench" / "button-claude-opus-4-6_distyl-ai_2026-03-04" / "airline.json"
+    (logs / "day2" / "b.json").write_bytes(tau2.read_bytes())
+    (logs / "c.json.tmp").write_text("half written")
+    rc, out, err = _ingest(tmp_path, logs)
+    assert rc == 0, err[-2000:]
+    rows = json.loads(out)["files"]
+    assert [Path(r["file"]).name for r in rows] == ["a.json", "b.json"]
+    assert all(r["source"] == "my-agent" for r in rows)
+    assert (tmp_path / "landing" / "my-agent" / "day2" / "b.json").is_file()
+
+
+def test_a_corrected_file_under_the_same_name_keeps_or_replaces_the_old_batch(tmp_path):
+    tau2 = SHARED_DATA / "tau2-bench" / "button-claude-opus-4-6_distyl-ai_2026-03-04" / "airline.json"
+    lines = [rec.trajectory.model_dump_json() for rec in parse_file(tau2).valid[:12]]
+    log = tmp_path / "run.jsonl"
+    log.write_text("\n".join(lines[:8]) + "\n")
+    old = json.loads(_ingest(tmp_path, log)[1])["files"][0]["partition_key"]
+    log.write_text("\n".join(lines) + "\n")  # the corrected file: the same ids and four more
+    rc, out, _ = _ingest(tmp_path, log)
+    (row,) = json.loads(out)["files"]
+    second = row["partition_key"]
+    assert rc == 0 and second != old
+    assert old in row["message"] and "--replace" in row["message"]
+    lake = TrajectoryLake(root=str(tmp_path / "lake"))
+    assert lake.scan("trajectories").collect().height == 8 + 12
+    log.write_text("\n".join(lines[1:]) + "\n")
+    rc, out, _ = _ingest(tmp_path, log, extra=("--replace",))
+    (row,) = json.loads(out)["files"]
+    assert rc == 0 and sorted(row["replaced"]) == sorted([old, second])
+    assert DagsterInstance.local_temp(str(tmp_path / "home")).get_dynamic_partitions(log_batches.name) == [row["partition_key"]]
+    ids = lake.scan("trajectories").select("trajectory_id").collect()["trajectory_id"]
+    assert ids.len() == 11 and ids.n_unique() == 11
+    assert [m.key for m in lake.registered_batches()] == [row["partition_key"]]
+
+
+def test_a_single_trial_file_says_why_it_has_no_groups(tmp_path):
+    single = SHARED_DATA / "tau2-bench" / "toolorchestra_nvidia_2025-12-02" / "toolorchestra_airline_gpt-5_1trial.json"
+    rc, out, err = _ingest(tmp_path, single)
+    assert rc == 0, err[-2000:]
+    (row,) = json.loads(out)["files"]
+    assert row["groups"] == row["trajectories"] > 0 and row["groups_with_signal"] == 0
+    assert "group_scope=source" in row["hint"]
+
+
+def test_ingest_uses_the_lake_and_landing_of_the_code_location_settings(tmp_path):
+    env = {**os.environ, "FLOWOPT_LAKE": str(tmp_path / "env-lake"), "FLOWOPT_LANDING": str(tmp_path / "env-landing")}
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    done = subprocess.run([FLOWOPT, "ingest", str(TAU_BENCH), "--home", str(tmp_path / "home")], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["lake"] == str(tmp_path / "env-lake")
+    assert TrajectoryLake(root=str(tmp_path / "env-lake")).batches("trajectories")
+    assert (tmp_path / "env-landing" / "tau-bench" / TAU_BENCH.name).is_file()
+    assert not (cwd / ".lake").exists() and not (cwd / ".landing").exists()
 
 
 def _free_port() -> int:

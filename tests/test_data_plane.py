@@ -46,8 +46,8 @@ def test_tau_bench_batch_has_its_known_groups_and_outcomes(ingested):
     assert mixed.height == 26 * 4 and (mixed["advantage"] != 0).all()
     assert mixed.group_by("group_key").agg(pl.col("advantage").sum())["advantage"].abs().max() < 1e-9
     row = batch_summary(lake, [key]).to_dicts()[0]
-    assert (row["trajectories"], row["groups"], row["groups_nonzero_advantage"], row["quarantined"]) == (200, 50, 26, 0)
-    assert row["mean_reward"] == pytest.approx(84 / 200)
+    assert (row["trajectories"], row["groups"], row["groups_with_signal"], row["quarantined"]) == (200, 50, 26, 0)
+    assert row["mean_outcome"] == row["mean_shaped_reward"] == pytest.approx(84 / 200)
 
 
 def test_unreadable_file_fails_only_its_own_partition_and_names_the_file(ingested):
@@ -67,7 +67,7 @@ def test_materialisations_and_checks_are_recorded_in_the_instance(ingested):
     mat = instance.fetch_materializations(AssetKey("advantages"), limit=10).records
     assert key in {r.partition_key for r in mat}
     meta = next(r for r in mat if r.partition_key == key).asset_materialization.metadata
-    assert meta["groups_nonzero_advantage"].value == 26
+    assert meta["groups_with_signal"].value == 26
     assert meta["zero_variance_share"].value == pytest.approx(24 / 50)
 
 
@@ -141,3 +141,36 @@ def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, m
     quarantine = whole.read_partition("quarantine", key)
     assert sorted(quarantine["line"].to_list()) == [4, 51, 121]
     assert whole.read_partition("interaction_logs", key)["record"].to_list() == list(range(198))
+
+
+def huge_reward(trajectory) -> float:
+    """A custom reward at the edge of float64 (finite, but two of them overflow a sum)."""
+    return 1.7e308 if trajectory.outcome.success else -1.7e308
+
+
+def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dagster_instance):
+    """Finite rewards of ±1.7e308 (a custom reward function) overflow the turn-weighted group
+    mean (``normalise_over="turn"``: reward × turns), so the advantages are NaN; the blocking check fails the run, and the training sensor declines the
+    batch although it holds the trainable agent's trajectories."""
+    from flow_assets.local import run_job
+    from flow_assets.logs.reader import parse_file
+    from resources.tasks import TaskSourceResource
+    from sensors.training import failed_data_checks
+
+    landing = tmp_path / "landing" / "mine"
+    landing.mkdir(parents=True)
+    rows = [r.trajectory.model_copy(update={"agent_id": "flowopt:jsonl"}).model_dump_json() for r in parse_file(TAU_BENCH).valid]
+    (landing / "rollouts.jsonl").write_text("\n".join(rows) + "\n")
+    tasks = TaskSourceResource(kind="jsonl", path=str(tmp_path / "tasks.jsonl"))
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), tasks=tasks)
+    overflow = {"ops": {"rewards": {"config": {"custom": {"*": ["tests.test_data_plane:huge_reward"]}}},
+                        "advantages": {"config": {"normalise_over": "turn"}}}}  # fmt: skip
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), overflow)
+    (key,) = tick.added_partitions
+    assert key in tick.failed and "advantages_finite" in tick.failed[key]
+    assert failed_data_checks(dagster_instance, key) == ["advantages_finite"]
+    assert tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests == []
+    # the same batch with the default rewards passes the check and is offered for training
+    assert run_job(defs, dagster_instance, "log_batch_job", key).success
+    assert failed_data_checks(dagster_instance, key) == []
+    assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
