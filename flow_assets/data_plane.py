@@ -79,7 +79,7 @@ def interaction_logs(
     with file, line, field and reason. Fails (this partition only) if the file is unreadable."""
     key = context.partition_key
     manifest = lake.batch_manifest(key)
-    snapshot = lake.batch_snapshot(key)
+    snapshot = lake.snapshot_batch(key)
     workers = worker_count(config.parse_workers, snapshot)
     n_valid = n_quarantined = 0
     quarantine_head = quarantine_frame([])

@@ -229,7 +229,7 @@ def ingest_files(
         )  # fmt: skip
         run = force or not registered or key not in done
         if run:
-            lake.register_batch(manifest, landed.path)
+            lake.register_batch(manifest)
             if not registered:
                 instance.add_dynamic_partitions(log_batches.name, [key])
         earlier = earlier_batches(lake, landed, key)

@@ -17,6 +17,7 @@ and :meth:`TrajectoryLake.sink_partition` streams a polars query straight into a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +49,13 @@ class BatchManifest:
     size_bytes: int
     fmt: str = "auto"
     landing_relpath: str = ""
+
+
+_COPY_BLOCK = 1 << 22
+
+
+class SnapshotError(RuntimeError):
+    """A batch's landing file cannot be snapshotted: removed or rewritten since registration."""
 
 
 class PartitionWriter:
@@ -277,24 +285,55 @@ class TrajectoryLake(ConfigurableResource):
     def _batch_dir(self, key: str) -> Path:
         return Path(self.root) / "_batches" / key
 
-    def register_batch(self, manifest: BatchManifest, source_file: Path) -> Path:
-        """Snapshot ``source_file`` as batch ``manifest.key`` and write its manifest.
-
-        Idempotent: registering the same key again rewrites identical bytes. The snapshot keeps a
-        batch's bytes after the landing file is rewritten or deleted.
+    def register_batch(self, manifest: BatchManifest) -> Path:
+        """Write batch ``manifest.key``'s manifest (atomically); its bytes are copied later, by
+        :meth:`snapshot_batch`, in the batch's run, so registering costs no copy however large
+        the file. Idempotent: registering the same key again rewrites the manifest.
 
         Returns:
-            The snapshot's path.
+            The manifest's path.
         """
         batch_dir = self._batch_dir(manifest.key)
         batch_dir.mkdir(parents=True, exist_ok=True)
-        snapshot = batch_dir / manifest.file_name
-        tmp = batch_dir / f".{manifest.file_name}.tmp"
-        shutil.copyfile(source_file, tmp)
-        os.replace(tmp, snapshot)
         tmp_manifest = batch_dir / ".manifest.json.tmp"
         tmp_manifest.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
         os.replace(tmp_manifest, batch_dir / "manifest.json")
+        return batch_dir / "manifest.json"
+
+    def snapshot_batch(self, key: str) -> Path:
+        """The batch's immutable copy of its log file, made on first call: the landing file is
+        copied and hashed in one pass, and kept only if its sha256 is the manifest's. Later calls
+        (a re-materialisation) read the copy, whatever happened to the landing file since.
+
+        Raises:
+            FileNotFoundError: the batch is not registered.
+            SnapshotError: the landing file is gone, or its bytes changed since registration
+                (the message names the file; the new bytes are a batch of their own).
+        """
+        manifest = self.batch_manifest(key)
+        snapshot = self._batch_dir(key) / manifest.file_name
+        if snapshot.exists():
+            return snapshot
+        tmp = self._batch_dir(key) / f".{manifest.file_name}.tmp"
+        digest = hashlib.sha256()
+        try:
+            with open(manifest.original_path, "rb") as src, open(tmp, "wb") as dst:
+                while block := src.read(_COPY_BLOCK):
+                    digest.update(block)
+                    dst.write(block)
+        except FileNotFoundError:
+            tmp.unlink(missing_ok=True)
+            raise SnapshotError(
+                f"{manifest.original_path}: removed before batch {key} was copied into the lake; nothing to read"
+            ) from None
+        if digest.hexdigest() != manifest.sha256:
+            tmp.unlink(missing_ok=True)
+            raise SnapshotError(
+                f"{manifest.original_path}: changed since it was registered as batch {key} (sha256 "
+                f"{manifest.sha256[:12]} registered, {digest.hexdigest()[:12]} now); its new content "
+                "becomes a batch of its own at the sensor's next tick"
+            )
+        os.replace(tmp, snapshot)
         return snapshot
 
     def drop_batch(self, key: str) -> None:
@@ -317,7 +356,8 @@ class TrajectoryLake(ConfigurableResource):
         return BatchManifest(**json.loads(path.read_text()))
 
     def batch_snapshot(self, key: str) -> Path:
-        """Path of batch ``key``'s immutable copy of its log file."""
+        """Path of batch ``key``'s immutable copy of its log file (made by :meth:`snapshot_batch`
+        in the batch's first run; it may not exist yet)."""
         return self._batch_dir(key) / self.batch_manifest(key).file_name
 
     def registered_batches(self) -> list[BatchManifest]:

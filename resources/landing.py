@@ -16,10 +16,16 @@ class LogLanding(ConfigurableResource):
         formats: glob pattern over the path relative to ``directory`` -> parser name
             (``canonical``, ``flat``, ``tau-bench``, ``tau2``, ``fireact``); unmatched files are
             detected by content (``auto``).
+        tick_budget_seconds: seconds one ``new_logs_sensor`` tick may spend hashing new files
+            (it always hashes at least one); the rest wait for the next tick. Dagster stops a
+            sensor evaluation after 60 s, and a stopped tick saves no cursor.
     """
 
     directory: str = Field(default=".landing", description="Landing directory for log files.")
     formats: dict[str, str] = Field(default_factory=dict, description="glob -> parser name")
+    tick_budget_seconds: float = Field(
+        default=20.0, ge=0.0, description="seconds a sensor tick may spend hashing new files (at least one file)"
+    )
 
     def format_for(self, relpath: str) -> str:
         """The parser name for a file at ``relpath`` (first matching glob), else ``"auto"``."""

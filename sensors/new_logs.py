@@ -2,6 +2,7 @@
 
 
 import json
+import time
 from pathlib import Path
 
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
@@ -24,16 +25,28 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
 
     Idempotent across ticks and restarts: the cursor remembers each file's size, mtime and
     sha256, and a key that is already a partition is never requested again (so a lost cursor
-    costs only re-hashing). The file is snapshotted into the lake before its partition is added,
-    so the batch keeps its bytes even if the landing file is later rewritten or removed.
+    costs only re-hashing). A tick only hashes and writes manifests; the copy into the lake is
+    made by the batch's run (``interaction_logs``), which checks the bytes against the hash.
+    Hashing stops for the tick once ``landing.tick_budget_seconds`` are spent (after at least
+    one file), so a tick stays far from Dagster's 60 s sensor timeout whatever arrives at once;
+    the files left are not in the cursor yet and are taken up by the next tick.
     """
     cursor = _load_cursor(context.cursor)
     new_keys: list[str] = []
+    started, hashed, left = time.monotonic(), 0, 0
     for landed in list_landed(Path(landing.directory)):
         known = cursor.get(landed.relpath)
         if known and known[0] == landed.size_bytes and known[1] == landed.mtime_ns:
             continue
-        digest = sha256_file(landed.path)
+        if hashed and time.monotonic() - started >= landing.tick_budget_seconds:
+            left += 1
+            continue
+        try:
+            digest = sha256_file(landed.path)
+        except OSError as error:  # removed or unreadable since listing: not this tick's business
+            context.log.warning(f"{landed.path}: skipped this tick ({error.strerror or error})")
+            continue
+        hashed += 1
         cursor[landed.relpath] = [landed.size_bytes, landed.mtime_ns, digest]
         key = batch_key(landed, digest)
         if key in new_keys or context.instance.has_dynamic_partition(log_batches.name, key):
@@ -48,13 +61,15 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
                 size_bytes=landed.size_bytes,
                 fmt=landing.format_for(landed.relpath),
                 landing_relpath=landed.relpath,
-            ),
-            landed.path,
+            )
         )
         new_keys.append(key)
+    if left:
+        context.log.info(f"{left} new file(s) left for the next tick (hashing budget {landing.tick_budget_seconds} s spent)")
     new_cursor = json.dumps(cursor, sort_keys=True)
     if not new_keys:
-        return SensorResult(skip_reason=SkipReason("no new log files"), cursor=new_cursor)
+        reason = f"{left} file(s) left for the next tick" if left else "no new log files"
+        return SensorResult(skip_reason=SkipReason(reason), cursor=new_cursor)
     return SensorResult(
         run_requests=[RunRequest(run_key=key, partition_key=key) for key in new_keys],
         dynamic_partitions_requests=[log_batches.build_add_request(new_keys)],

@@ -4,11 +4,13 @@ import json
 import os
 import shutil
 
-from dagster import SensorResult, build_sensor_context
+from dagster import RunRequest, SensorResult, build_sensor_context
 
 from flow_assets.definitions import build_definitions
+from flow_assets.local import TickOutcome, execute_requests, run_job
 from flow_assets.partitions import log_batches
 from resources.lake import TrajectoryLake
+from resources.landing import LogLanding
 from sensors.new_logs import new_logs_sensor
 
 from tests.conftest import SHARED_DATA, TAU_BENCH
@@ -41,10 +43,12 @@ def test_first_tick_adds_one_partition_and_one_run_per_file(tmp_path, dagster_in
     assert sorted(result.dynamic_partitions_requests[0].partition_keys) == keys
     assert [r.run_key for r in sorted(result.run_requests, key=lambda r: r.partition_key)] == keys
     assert sorted(dagster_instance.get_dynamic_partitions(log_batches.name)) == keys
-    # each batch is snapshotted with its manifest, so its bytes survive the landing file
-    manifests = {m.key: m for m in TrajectoryLake(root=str(lake)).registered_batches()}
+    # each batch has its manifest; the tick copies nothing (the batch's run does)
+    lake_res = TrajectoryLake(root=str(lake))
+    manifests = {m.key: m for m in lake_res.registered_batches()}
     assert sorted(manifests) == keys
     assert {m.source for m in manifests.values()} == {"tau-bench", "fireact"}
+    assert not any(lake_res.batch_snapshot(k).exists() for k in keys)
 
 
 def test_second_tick_requests_nothing(tmp_path, dagster_instance):
@@ -66,23 +70,59 @@ def test_restart_with_saved_cursor_or_lost_cursor_requests_nothing(tmp_path, dag
     assert not _tick(restarted, dagster_instance, None).run_requests
 
 
+def _rewrite(target, elements: int) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(json.loads(TAU_BENCH.read_bytes())[:elements]))
+    os.replace(tmp, target)
+
+
 def test_rewritten_file_becomes_a_new_batch(tmp_path, dagster_instance):
     landing, lake, defs = _setup(tmp_path)
     first = _tick(defs, dagster_instance)
-    target = landing / "tau-bench" / TAU_BENCH.name
     old_key = next(r.partition_key for r in first.run_requests if r.partition_key.startswith("tau-bench"))
-    data = json.loads(TAU_BENCH.read_bytes())
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data[:10]))
-    os.replace(tmp, target)
+    assert run_job(defs, dagster_instance, "log_batch_job", old_key).success  # its run copies the bytes
+    _rewrite(landing / "tau-bench" / TAU_BENCH.name, 10)
     second = _tick(defs, dagster_instance, first.cursor)
     assert len(second.run_requests) == 1
     new_key = second.run_requests[0].partition_key
     assert new_key != old_key and new_key.startswith("tau-bench.")
-    # the old batch still has its original bytes
+    assert run_job(defs, dagster_instance, "log_batch_job", new_key).success
+    # the old batch still has its original bytes, and re-materialises from them
     lake_res = TrajectoryLake(root=str(lake))
     assert lake_res.batch_snapshot(old_key).read_bytes() == TAU_BENCH.read_bytes()
     assert len(json.loads(lake_res.batch_snapshot(new_key).read_bytes())) == 10
+    assert run_job(defs, dagster_instance, "log_batch_job", old_key).success
+    assert lake_res.read_partition("trajectories", old_key).height == 200
+
+
+def test_a_file_rewritten_before_its_run_fails_that_run_naming_it(tmp_path, dagster_instance):
+    landing, lake, defs = _setup(tmp_path)
+    first = _tick(defs, dagster_instance)
+    old_key = next(r.partition_key for r in first.run_requests if r.partition_key.startswith("tau-bench"))
+    target = landing / "tau-bench" / TAU_BENCH.name
+    _rewrite(target, 10)
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", TickOutcome(cursor=None, run_requests=[RunRequest(partition_key=old_key)]))
+    assert str(target) in tick.failed[old_key] and "changed since it was registered" in tick.failed[old_key]
+    # the new bytes are the next tick's batch
+    (request,) = _tick(defs, dagster_instance, first.cursor).run_requests
+    assert run_job(defs, dagster_instance, "log_batch_job", request.partition_key).success
+
+
+def test_a_tick_stops_hashing_when_its_budget_is_spent(tmp_path, dagster_instance):
+    landing, lake, _ = _setup(tmp_path)
+    (landing / "tau-bench" / "copy.json").write_bytes(TAU_BENCH.read_bytes())
+    defs = build_definitions(str(lake), str(landing))
+    budget = {**defs.resources, "landing": LogLanding(directory=str(landing), tick_budget_seconds=0.0)}
+    cursor, per_tick = None, []
+    for _ in range(4):
+        with build_sensor_context(instance=dagster_instance, cursor=cursor, resources=budget, sensor_name="new_logs_sensor") as ctx:
+            result = new_logs_sensor(ctx)
+        for request in result.dynamic_partitions_requests or []:
+            dagster_instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        cursor = result.cursor
+        per_tick.append(len(result.run_requests or []))
+    assert per_tick == [1, 1, 1, 0]  # one file per tick at a zero budget, none lost
+    assert len(json.loads(cursor)) == 3
 
 
 def test_tmp_file_is_never_read_until_renamed(tmp_path, dagster_instance):
