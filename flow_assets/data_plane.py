@@ -26,6 +26,7 @@ from pydantic import Field
 
 from flow_assets.config import dagster_config
 from flow_assets.logs.chunks import read_chunks, worker_count
+from flow_assets.logs.redact import DEFAULT_FIELDS, DEFAULT_PATTERNS, RedactionConfig, Redactor
 from flow_assets.logs.schema import Trajectory
 from flow_assets.logs import tables
 from flow_assets.logs.tables import (
@@ -56,6 +57,24 @@ class InteractionLogsConfig(Config):
         description="processes that validate JSONL records in parallel; 0 = one per CPU core for "
         "a batch of at least 32 MiB and none below, 1 = read in this process only",
     )
+    redact_secrets: bool = Field(
+        True,
+        description="replace API keys, bearer tokens and password-like fields by [REDACTED:<kind>] when the "
+        "batch's file is copied into the lake (before anything is parsed or stored); false keeps the bytes as "
+        "they are. Applies when the copy is made, i.e. at the batch's first run",
+    )
+    redact_fields: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FIELDS),
+        description="field names (exact, case-insensitive) whose string values are redacted",
+    )
+    redact_patterns: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_PATTERNS),
+        description="kind -> regular expression of secret values, redacted wherever they occur",
+    )
+
+    def redaction(self) -> RedactionConfig:
+        """The pure redaction settings of this config."""
+        return RedactionConfig(self.redact_secrets, dict(self.redact_patterns), tuple(self.redact_fields))
 
 
 @asset(
@@ -76,10 +95,17 @@ def interaction_logs(
     context: AssetExecutionContext, config: InteractionLogsConfig, lake: TrajectoryLake
 ) -> MaterializeResult:
     """Raw records of one log batch, parsed and validated; bad records go to ``quarantine``
-    with file, line, field and reason. Fails (this partition only) if the file is unreadable."""
+    with file, line, field and reason. Fails (this partition only) if the file is unreadable.
+    The batch's file is copied into the lake first, with secrets redacted
+    (``flow_assets/logs/redact.py``; counts in the metadata), so nothing stored holds them."""
     key = context.partition_key
     manifest = lake.batch_manifest(key)
-    snapshot = lake.snapshot_batch(key)
+    if not lake.batch_snapshot(key).exists():
+        redactor = Redactor(config.redaction())
+        lake.snapshot_batch(key, redactor.line if config.redact_secrets else None)
+        lake.write_batch_note(key, "redaction", {"enabled": config.redact_secrets, "redacted": dict(redactor.counts)})
+    snapshot = lake.batch_snapshot(key)
+    redaction = lake.read_batch_note(key, "redaction") or {"enabled": False, "redacted": {}}
     workers = worker_count(config.parse_workers, snapshot)
     n_valid = n_quarantined = 0
     quarantine_head = quarantine_frame([])
@@ -111,6 +137,8 @@ def interaction_logs(
             "valid": n_valid,
             "quarantined": n_quarantined,
             "quarantine_preview": preview_table(quarantine_head.drop("raw")),
+            "redacted": sum(redaction["redacted"].values()),
+            "redacted_by_kind": MetadataValue.json(redaction["redacted"]) if redaction["enabled"] else "redaction off",
         },
         check_results=[
             AssetCheckResult(

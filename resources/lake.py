@@ -17,12 +17,14 @@ and :meth:`TrajectoryLake.sink_partition` streams a polars query straight into a
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -56,6 +58,46 @@ _COPY_BLOCK = 1 << 22
 
 class SnapshotError(RuntimeError):
     """A batch's landing file cannot be snapshotted: removed or rewritten since registration."""
+
+
+class _HashingReader(io.RawIOBase):
+    """A binary file whose bytes are fed to ``digest`` as they are read."""
+
+    def __init__(self, raw, digest):
+        self.raw, self.digest = raw, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer)
+        if n:
+            self.digest.update(memoryview(buffer)[:n])
+        return n
+
+
+def _copy_hashed(src: Path, dst: Path, transform_line: Callable[[bytes], bytes] | None) -> str:
+    """Copy ``src`` to ``dst`` (each line through ``transform_line`` when given; gzip stays
+    gzip) and return the hex sha256 of ``src``'s bytes."""
+    digest = hashlib.sha256()
+    with open(src, "rb", buffering=0) as raw:
+        if transform_line is None:
+            with open(dst, "wb") as out:
+                while block := raw.read(_COPY_BLOCK):
+                    digest.update(block)
+                    out.write(block)
+            return digest.hexdigest()
+        hashed = _HashingReader(raw, digest)
+        packed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        source = gzip.GzipFile(fileobj=io.BufferedReader(hashed, _COPY_BLOCK)) if packed else io.BufferedReader(hashed, _COPY_BLOCK)
+        sink = gzip.open(dst, "wb", compresslevel=1) if packed else open(dst, "wb")
+        with source, sink:
+            for line in source:
+                sink.write(transform_line(line))
+        while hashed.read(_COPY_BLOCK):  # bytes after the gzip stream still count
+            pass
+    return digest.hexdigest()
 
 
 class PartitionWriter:
@@ -300,10 +342,12 @@ class TrajectoryLake(ConfigurableResource):
         os.replace(tmp_manifest, batch_dir / "manifest.json")
         return batch_dir / "manifest.json"
 
-    def snapshot_batch(self, key: str) -> Path:
+    def snapshot_batch(self, key: str, transform_line: Callable[[bytes], bytes] | None = None) -> Path:
         """The batch's immutable copy of its log file, made on first call: the landing file is
-        copied and hashed in one pass, and kept only if its sha256 is the manifest's. Later calls
-        (a re-materialisation) read the copy, whatever happened to the landing file since.
+        copied and hashed in one pass, and kept only if its sha256 (of the file's bytes as
+        landed) is the manifest's. ``transform_line`` rewrites each line on the way (secret
+        redaction); a gzip file is then decompressed, rewritten and compressed again. Later
+        calls (a re-materialisation) return the copy, whatever happened to the landing file.
 
         Raises:
             FileNotFoundError: the batch is not registered.
@@ -315,26 +359,38 @@ class TrajectoryLake(ConfigurableResource):
         if snapshot.exists():
             return snapshot
         tmp = self._batch_dir(key) / f".{manifest.file_name}.tmp"
-        digest = hashlib.sha256()
         try:
-            with open(manifest.original_path, "rb") as src, open(tmp, "wb") as dst:
-                while block := src.read(_COPY_BLOCK):
-                    digest.update(block)
-                    dst.write(block)
+            digest = _copy_hashed(Path(manifest.original_path), tmp, transform_line)
         except FileNotFoundError:
             tmp.unlink(missing_ok=True)
             raise SnapshotError(
                 f"{manifest.original_path}: removed before batch {key} was copied into the lake; nothing to read"
             ) from None
-        if digest.hexdigest() != manifest.sha256:
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if digest != manifest.sha256:
             tmp.unlink(missing_ok=True)
             raise SnapshotError(
                 f"{manifest.original_path}: changed since it was registered as batch {key} (sha256 "
-                f"{manifest.sha256[:12]} registered, {digest.hexdigest()[:12]} now); its new content "
+                f"{manifest.sha256[:12]} registered, {digest[:12]} now); its new content "
                 "becomes a batch of its own at the sensor's next tick"
             )
         os.replace(tmp, snapshot)
         return snapshot
+
+    def write_batch_note(self, key: str, name: str, value: dict) -> None:
+        """Keep a small JSON document about batch ``key`` beside its snapshot (e.g. what
+        redaction replaced in it), atomically."""
+        path = self._batch_dir(key) / f"{name}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(value, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+
+    def read_batch_note(self, key: str, name: str) -> dict | None:
+        """The document :meth:`write_batch_note` kept, or ``None``."""
+        path = self._batch_dir(key) / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def drop_batch(self, key: str) -> None:
         """Delete batch ``key`` from the lake: its partition of every table and its snapshot and

@@ -1,0 +1,121 @@
+"""Secret redaction: the rules on single lines, then a real tau-bench log with secrets planted in
+tool arguments, a tool output and a user message, through the data plane: none of them survives
+anywhere under the lake or in the instance's event log."""
+
+import json
+import shutil
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from flow_assets.definitions import build_definitions
+from flow_assets.local import execute_requests, tick_sensor
+from flow_assets.logs.reader import parse_file
+from flow_assets.logs.redact import RedactionConfig, redact_line
+from resources.lake import TrajectoryLake
+from tests.conftest import TAU_BENCH
+
+OPENAI_KEY = "sk-proj-Xq3vT9sLmP2kR7wZ8yB4nC6dF1gH5jK0"
+GITHUB_TOKEN = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
+BEARER = "eyJhbGciOiJIUzI1NiJ9.c2VjcmV0.dGVzdA"
+PASSWORD = "correct horse battery staple"
+SECRETS = (OPENAI_KEY, GITHUB_TOKEN, AWS_KEY, BEARER, PASSWORD)
+
+
+def test_values_that_look_like_keys_are_replaced_by_kind():
+    line = json.dumps({"content": f"use {OPENAI_KEY} or {GITHUB_TOKEN}; aws {AWS_KEY}; Authorization: Bearer {BEARER}"}).encode()
+    out, counts = redact_line(line)
+    assert not any(s.encode() in out for s in SECRETS)
+    assert counts == {"openai_key": 1, "github_token": 1, "aws_access_key": 1, "bearer": 1}
+    assert b"[REDACTED:openai_key]" in out and b"Authorization: [REDACTED:bearer]" in out
+    assert json.loads(out)  # still valid JSON
+
+
+def test_fields_named_like_secrets_are_replaced_also_inside_encoded_arguments():
+    arguments = json.dumps({"user_id": "mia_li_3668", "password": PASSWORD, "Api_Key": "k-123"})
+    line = json.dumps({"tool_calls": [{"function": {"arguments": arguments}}], "token": "t0k3n", "secret": ""}).encode()
+    out, counts = redact_line(line)
+    decoded = json.loads(out)
+    args = json.loads(decoded["tool_calls"][0]["function"]["arguments"])
+    assert args == {"user_id": "mia_li_3668", "password": "[REDACTED:password]", "Api_Key": "[REDACTED:api_key]"}
+    assert decoded["token"] == "[REDACTED:token]" and decoded["secret"] == ""  # an empty value hides nothing
+    assert counts == {"password": 1, "api_key": 1, "token": 1}
+
+
+def test_numbers_and_token_id_arrays_are_never_touched_and_redaction_can_be_off():
+    line = json.dumps({"token_ids": [1, 2, 3], "token": 17, "max_tokens": 256, "logprobs": [-0.5]}).encode()
+    assert redact_line(line) == (line, {})
+    secret = json.dumps({"password": PASSWORD}).encode()
+    assert redact_line(secret, RedactionConfig(enabled=False)) == (secret, {})
+
+
+def _planted_tau_bench(path):
+    runs = json.loads(TAU_BENCH.read_bytes())
+    traj = runs[0]["traj"]
+    call = next(m for m in traj if m.get("tool_calls"))
+    args = json.loads(call["tool_calls"][0]["function"]["arguments"])
+    call["tool_calls"][0]["function"]["arguments"] = json.dumps({**args, "password": PASSWORD, "api_key": OPENAI_KEY})
+    output = next(m for m in traj if m["role"] == "tool")
+    output["content"] += f"\nAuthorization: Bearer {BEARER}"
+    user = next(m for m in traj if m["role"] == "user")
+    user["content"] += f" (my aws key is {AWS_KEY}, github {GITHUB_TOKEN})"
+    path.write_text(json.dumps(runs, indent=2))
+
+
+def test_no_planted_secret_survives_anywhere_under_the_lake(tmp_path, dagster_instance):
+    landing, lake_root = tmp_path / "landing", tmp_path / "lake"
+    (landing / "tau-bench").mkdir(parents=True)
+    _planted_tau_bench(landing / "tau-bench" / TAU_BENCH.name)
+    # and a canonical JSONL whose broken line (quarantined, raw bytes kept) carries a key too
+    (landing / "mine").mkdir()
+    valid = parse_file(TAU_BENCH).valid[0].trajectory.model_dump_json()
+    (landing / "mine" / "broken.jsonl").write_text(valid + '\n{"trajectory_id": "x", "note": "' + OPENAI_KEY + '", \n')
+    defs = build_definitions(str(lake_root), str(landing))
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"))
+    assert not tick.failed and len(tick.succeeded) == 2
+    lake = TrajectoryLake(root=str(lake_root))
+    tau = next(k for k in tick.succeeded if k.startswith("tau-bench"))
+    assert lake.read_partition("trajectories", tau).height == 200  # nothing lost to redaction
+    steps = lake.read_partition("steps", tau)
+    assert steps.filter(pl.col("input").str.contains("REDACTED:password", literal=True)).height == 1
+    assert lake.read_partition("quarantine", next(k for k in tick.succeeded if k.startswith("mine"))).height == 1
+    # every byte under the lake: raw files, and the decoded contents of every Parquet table
+    found = []
+    for path in lake_root.rglob("*"):
+        if not path.is_file():
+            continue
+        blobs = [path.read_bytes()]
+        if path.suffix == ".parquet":
+            table = pq.read_table(path)
+            blobs += [json.dumps(table.to_pylist(), default=lambda b: b.decode("utf-8", "replace")).encode()]
+        found += [(str(path), s) for s in SECRETS for blob in blobs if s.encode() in blob]
+    assert found == []
+    # nor in the metadata previews Dagster keeps
+    for db in (tmp_path / "dagster_home").rglob("*.db"):
+        assert not any(s.encode() in db.read_bytes() for s in SECRETS), db
+    counts = lake.read_batch_note(tau, "redaction")["redacted"]
+    assert counts == {"password": 1, "api_key": 1, "bearer": 1, "aws_access_key": 1, "github_token": 1}
+
+
+def test_a_gzip_log_is_redacted_and_stays_gzip(tmp_path, dagster_instance):
+    import gzip
+
+    landing, lake_root = tmp_path / "landing", tmp_path / "lake"
+    (landing / "tau-bench").mkdir(parents=True)
+    plain = tmp_path / TAU_BENCH.name
+    _planted_tau_bench(plain)
+    (landing / "tau-bench" / (TAU_BENCH.name + ".gz")).write_bytes(gzip.compress(plain.read_bytes()))
+    defs = build_definitions(str(lake_root), str(landing))
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"))
+    (key,) = tick.succeeded
+    lake = TrajectoryLake(root=str(lake_root))
+    snapshot = lake.batch_snapshot(key).read_bytes()
+    assert snapshot[:2] == b"\x1f\x8b"
+    text = gzip.decompress(snapshot)
+    assert not any(s.encode() in text for s in SECRETS) and b"[REDACTED:password]" in text
+    assert lake.read_partition("trajectories", key).height == 200
+    shutil.rmtree(landing)  # the batch re-materialises from its redacted copy alone
+    from flow_assets.local import run_job
+
+    assert run_job(defs, dagster_instance, "log_batch_job", key).success
