@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from flow_assets.local import local_instance
-from flow_assets.logs.reader import FORMATS
+from flow_assets.logs.reader import known_formats
 from resources.lake import TrajectoryLake
 
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ingest.add_argument("paths", nargs="+", help="log files or directories to ingest")
     ingest.add_argument("--source", default=None, help="source name (default: the file's folder name, or the named directory's)")
-    ingest.add_argument("--format", default="auto", choices=["auto", *sorted(FORMATS)], help="parser (default: detect)")
+    ingest.add_argument("--format", default="auto", choices=["auto", *known_formats()], help="parser (default: detect; plug-ins included)")
     ingest.add_argument("--landing", default=None, help="landing directory (default $FLOWOPT_LANDING or .landing)")
     ingest.add_argument("--lake", default=None, help="lake directory (default $FLOWOPT_LAKE or .lake)")
     ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")

@@ -249,7 +249,8 @@ def ingest_files(
                 text = "; ".join(messages) or "run failed"
                 for snapshot in {str(lake.batch_snapshot(key)), str(lake.batch_snapshot(key).resolve())}:
                     text = text.replace(snapshot, str(file.path))
-                result.status, result.message, result.traceback = "failed", f"{text}; {FORMAT_HELP}", "\n".join(tracebacks)
+                advice = "" if "flowopt schema" in text else f"; {FORMAT_HELP}"
+                result.status, result.message, result.traceback = "failed", f"{text}{advice}", "\n".join(tracebacks)
         else:
             result.status = "already_ingested"
             result.message = (f"these bytes were already ingested as partition {key}; nothing ran "

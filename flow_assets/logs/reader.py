@@ -1,6 +1,8 @@
 """Read any supported log file: detect its format by content and run that format's parser.
 
-``FORMATS`` maps a format name to its parser, so a caller can also name the format explicitly.
+``FORMATS`` maps a built-in format name to its parser, so a caller can also name the format
+explicitly; formats from plug-ins (``flow_assets/logs/plugins.py``) are read the same way and
+detected after the built-in ones.
 Which files of the landing directory get read at all (never ``*.tmp`` or ``.``-prefixed names)
 is decided by ``sensors/landing.py``; see ``docs/log-format.md``.
 """
@@ -29,6 +31,7 @@ from flow_assets.logs.formats.fireact import stream_fireact
 from flow_assets.logs.formats.flat import stream_flat
 from flow_assets.logs.formats.openai_chat import stream_tau_bench
 from flow_assets.logs.formats.tau2 import stream_tau2
+from flow_assets.logs.plugins import plugin_formats
 from flow_assets.logs.records import ParseResult, UnreadableLogError
 
 Parser = Callable[..., RecordStream]
@@ -135,11 +138,14 @@ def _sniff_lines(lines: list[bytes]) -> str | None:
     return None
 
 
-_UNRECOGNISED = (
-    "unrecognised log format: not canonical or flat JSONL, nor a tau-bench, tau2 or FireAct JSON document "
-    "(gzip-compressed or not); convert it to the canonical format (`flowopt schema`, docs/log-format.md) "
-    "or name a format with --format"
-)
+def _unrecognised() -> str:
+    plugins = [name for name in plugin_formats() if name not in FORMATS]
+    return (
+        "unrecognised log format: not canonical or flat JSONL, nor a tau-bench, tau2 or FireAct JSON document "
+        f"(gzip-compressed or not){', nor any plug-in format (' + ', '.join(plugins) + ')' if plugins else ''}; "
+        "convert it to the canonical format (`flowopt schema`, docs/log-format.md), name a format with --format, "
+        "or add a plug-in parser (docs/log-format.md, section 7)"
+    )
 
 
 def detect_format(path: str | Path) -> str:
@@ -168,13 +174,40 @@ def detect_format(path: str | Path) -> str:
     try:
         document = load_document(path)
     except UnreadableLogError:
+        plugin = _detect_plugin(path)
+        if plugin:
+            return plugin
         if pretty_document:
             raise
-        raise UnreadableLogError(str(path), _UNRECOGNISED) from None
+        raise UnreadableLogError(str(path), _unrecognised()) from None
     kind = _document_kind(document.value) if document is not None else None
     if kind is None:
-        raise UnreadableLogError(str(path), _UNRECOGNISED)
+        kind = _detect_plugin(path)
+    if kind is None:
+        raise UnreadableLogError(str(path), _unrecognised())
     return kind
+
+
+def known_formats() -> list[str]:
+    """Names of every format a file may be read as: the built-in :data:`FORMATS`, then the
+    plug-ins installed or registered (``flow_assets/logs/plugins.py``).
+
+    Raises:
+        PluginFormatError: a plug-in does not load (the message names it).
+    """
+    return [*FORMATS, *(name for name in plugin_formats() if name not in FORMATS)]
+
+
+def _detect_plugin(path: Path) -> str | None:
+    for name, fmt in plugin_formats().items():
+        if name in FORMATS:
+            continue
+        try:
+            if fmt.detect(path):
+                return name
+        except Exception as exc:  # a third party's detect must not hide which plug-in broke
+            raise UnreadableLogError(str(path), f"log format plug-in {name!r} ({fmt.origin}) failed to detect: {exc!r}") from exc
+    return None
 
 
 def stream_file(
@@ -198,7 +231,9 @@ def stream_file(
     fmt = resolve_format(path, fmt)
     if fmt == BLANK:
         return empty_stream(path, BLANK)
-    return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+    if fmt in FORMATS:
+        return FORMATS[fmt](path, max_record_bytes=max_record_bytes)
+    return plugin_formats()[fmt].parse(path, max_record_bytes=max_record_bytes)
 
 
 def resolve_format(path: str | Path, fmt: str = "auto") -> str:
@@ -209,8 +244,8 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> str:
         ValueError: ``fmt`` names no known format.
         UnreadableLogError: detection failed (see :func:`detect_format`).
     """
-    if fmt != "auto" and fmt not in FORMATS:
-        raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    if fmt != "auto" and fmt not in FORMATS and fmt not in plugin_formats():
+        raise ValueError(f"unknown log format {fmt!r}; known: auto, {', '.join(known_formats())}")
     if fmt != "auto":
         return fmt
     if is_blank_file(path):
