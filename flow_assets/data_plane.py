@@ -271,12 +271,16 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
         pool = pool.join(_turn_counts(steps_scan), on=["batch", "trajectory_id"], how="left").with_columns(
             pl.col("n_turns").fill_null(0)
         )
-    scored = group_advantages(pool.with_columns(group_key=pl.col("task_id")), adv_cfg)
+    pool = pool.with_columns(group_key=pl.col("task_id"))
+    labelled = pool.filter(pl.col("reward").is_not_null())
+    # unlabelled trajectories are kept with null advantages: no group statistics, no gradient
+    scored = pl.concat([group_advantages(labelled, adv_cfg), pool.filter(pl.col("reward").is_null())], how="diagonal_relaxed")
     table = scored.filter(pl.col("batch") == key).drop("batch")
+    n_unlabelled = int(table["reward"].is_null().sum())
     lake.write_partition("advantages", key, table)
     steps = step_advantages(lake.scan_partition("steps", key), table.lazy(), credit_cfg)
     lake.sink_partition("step_advantages", key, steps)
-    groups = table.group_by("group_key").agg(pl.col("zero_variance").first())
+    groups = table.filter(pl.col("reward").is_not_null()).group_by("group_key").agg(pl.col("zero_variance").first())
     n_groups = groups.height
     n_zero = int(groups["zero_variance"].sum())
     steps_finite = (
@@ -289,6 +293,7 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     return MaterializeResult(
         metadata={
             "trajectories": table.height,
+            "unlabelled": n_unlabelled,
             "groups": n_groups,
             "groups_with_signal": n_groups - n_zero,
             "zero_variance_share": MetadataValue.float(n_zero / n_groups if n_groups else 0.0),

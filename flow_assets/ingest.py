@@ -191,12 +191,19 @@ def hint(summary: dict) -> str | None:
     """A rule of thumb for a batch's summary row, or ``None``: why a batch that was read gives
     no GRPO signal, or how many trajectories carry no reward."""
     trajectories, groups, with_signal = summary.get("trajectories") or 0, summary.get("groups") or 0, summary.get("groups_with_signal") or 0
-    if trajectories and with_signal == 0:
-        if groups == trajectories:
-            return ("no GRPO groups: each task has one trajectory in this batch; pool the source's batches with "
-                    "group_scope=source (advantages config) or log several trials per task")  # fmt: skip
-        return "no group's reward varies (every trial of a task scored the same): nothing to learn from this batch alone"
-    return None
+    unlabelled = summary.get("unlabelled") or 0
+    tips = []
+    if unlabelled:
+        tips.append(f"{unlabelled} of {trajectories} trajectories carry no outcome (unlabelled): stored, with no reward or "
+                    "advantage until a verifier, a judge or later feedback labels them")  # fmt: skip
+    labelled = trajectories - unlabelled
+    if labelled and with_signal == 0:
+        if groups == labelled:
+            tips.append("no GRPO groups: each task has one trajectory in this batch; pool the source's batches with "
+                        "group_scope=source (advantages config) or log several trials per task")  # fmt: skip
+        else:
+            tips.append("no group's reward varies (every trial of a task scored the same): nothing to learn from this batch alone")
+    return "; ".join(tips) or None
 
 
 def ingest_files(

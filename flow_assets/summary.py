@@ -10,18 +10,19 @@ from resources.lake import TrajectoryLake
 _QUERIES = {
     "trajectories": """select batch, count(*) as trajectories, count(distinct task_id) as tasks,
                               sum(n_steps)::bigint as steps from trajectories group by batch""",
-    "rewards": """select batch, avg(r_outcome) as mean_outcome, avg(reward) as mean_shaped_reward
+    "rewards": """select batch, avg(r_outcome) as mean_outcome, avg(reward) as mean_shaped_reward,
+                         count(*) filter (where reward is null) as unlabelled
                   from rewards group by batch""",
     "advantages": """select batch, count(*) as groups,
                             count(*) filter (where not zero_variance) as groups_with_signal,
                             count(*) filter (where mixed) as groups_mixed_outcome
                      from (select batch, group_key, bool_and(zero_variance) as zero_variance,
                                   max(r_outcome) > min(r_outcome) as mixed
-                           from advantages group by batch, group_key) group by batch""",
+                           from advantages where reward is not null group by batch, group_key) group by batch""",
     "quarantine": "select batch, count(*) as quarantined from quarantine group by batch",
 }
 
-_COUNTS = ("trajectories", "tasks", "groups", "groups_with_signal", "groups_mixed_outcome", "steps", "quarantined")
+_COUNTS = ("trajectories", "unlabelled", "tasks", "groups", "groups_with_signal", "groups_mixed_outcome", "steps", "quarantined")
 
 _SUMMARY_SCHEMA = {
     "batch": pl.String, "source": pl.String, "file": pl.String,
@@ -31,11 +32,12 @@ _SUMMARY_SCHEMA = {
 
 def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.DataFrame:
     """One row per batch that has been read (its ``interaction_logs`` materialised), sorted by
-    batch, restricted to ``keys`` when given: ``batch, source, file, trajectories, tasks,
+    batch, restricted to ``keys`` when given: ``batch, source, file, trajectories, unlabelled, tasks,
     groups, groups_with_signal, groups_mixed_outcome, steps, quarantined, mean_outcome,
     mean_shaped_reward``. Counts are 0 (never missing) for a batch whose records were all
     quarantined; the means are null there.
 
+    ``unlabelled`` counts trajectories without a logged outcome (stored, no reward, in no group).
     ``mean_outcome`` is the mean logged task outcome (success 1/0, or the score in [0, 1]);
     ``mean_shaped_reward`` the mean total reward after shaping terms (``rewards`` asset), which
     is what GRPO normalises. ``groups_with_signal`` counts groups whose total reward varies (a

@@ -174,3 +174,51 @@ def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dag
     assert run_job(defs, dagster_instance, "log_batch_job", key).success
     assert failed_data_checks(dagster_instance, key) == []
     assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
+
+
+def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_groups(tmp_path, dagster_instance):
+    """Real tau-bench trajectories as canonical JSONL, the outcome removed from every odd task's
+    trials (and one line given an empty outcome object): the unlabelled ones are kept, get no
+    reward and no advantage, and the labelled ones get exactly the advantages they get alone."""
+    import json
+
+    from flow_assets.logs.reader import parse_file
+
+    lines = [json.loads(r.trajectory.model_dump_json()) for r in parse_file(TAU_BENCH).valid]
+    odd = lambda t: int(t["task_id"]) % 2 == 1  # noqa: E731
+    mixed, labelled_only = [], []
+    for t in lines:
+        if odd(t):
+            t = {k: v for k, v in t.items() if k != "outcome"}
+        else:
+            labelled_only.append(t)
+        mixed.append(t)
+    mixed.append({**mixed[0], "trajectory_id": "empty-outcome", "outcome": {}})
+    for name, rows in (("mixed", mixed), ("labelled", labelled_only)):
+        (tmp_path / "landing" / name).mkdir(parents=True)
+        (tmp_path / "landing" / name / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"))
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), OUTCOME_ONLY)
+    assert not tick.failed
+    lake = TrajectoryLake(root=str(tmp_path / "lake"))
+    key = {k.split(".")[0]: k for k in tick.succeeded}
+    n_unlabelled = sum(1 for t in lines if odd(t))
+    assert 0 < n_unlabelled < len(lines)
+    row = batch_summary(lake, [key["mixed"]]).to_dicts()[0]
+    assert (row["trajectories"], row["unlabelled"], row["quarantined"]) == (len(lines), n_unlabelled, 1)
+    quarantine = lake.read_partition("quarantine", key["mixed"])
+    assert "outcome needs success or score" in quarantine["reason"][0]
+    rewards = lake.read_partition("rewards", key["mixed"])
+    unlabelled_ids = {t["trajectory_id"] for t in lines if odd(t)}
+    assert rewards.filter(pl.col("trajectory_id").is_in(unlabelled_ids))["reward"].null_count() == n_unlabelled
+    mixed_adv = lake.read_partition("advantages", key["mixed"])
+    assert mixed_adv.filter(pl.col("trajectory_id").is_in(unlabelled_ids))["advantage"].null_count() == n_unlabelled
+    alone = lake.read_partition("advantages", key["labelled"]).select("trajectory_id", "advantage").sort("trajectory_id")
+    together = mixed_adv.filter(pl.col("advantage").is_not_null()).select("trajectory_id", "advantage").sort("trajectory_id")
+    assert together.equals(alone)
+    assert row["groups"] == batch_summary(lake, [key["labelled"]]).to_dicts()[0]["groups"]
+    from flow_assets.ingest import hint
+
+    assert f"{n_unlabelled} of {len(lines)} trajectories carry no outcome" in hint(row)
+    steps = lake.read_partition("step_advantages", key["mixed"])
+    assert steps.filter(pl.col("trajectory_id").is_in(unlabelled_ids))["advantage"].null_count() > 0

@@ -551,3 +551,16 @@ def test_a_utf8_byte_order_mark_costs_no_record(shared_data: Path, tau_bench_pat
     result = parse_file(jsonl)
     assert len(result.valid) == 20 and not result.quarantined
     assert result.valid[0].trajectory.trajectory_id == original.valid[0].trajectory.trajectory_id
+
+
+def test_logs_without_an_outcome_are_read_as_unlabelled(tau_bench_path: Path, tmp_path: Path):
+    t = json.loads(parse_file(tau_bench_path).valid[0].trajectory.model_dump_json())
+    del t["outcome"]
+    canonical = tmp_path / "unlabelled.jsonl"
+    canonical.write_text(json.dumps(t) + "\n" + json.dumps({**t, "trajectory_id": "x2", "outcome": None}) + "\n")
+    result = parse_file(canonical)
+    assert [v.trajectory.outcome for v in result.valid] == [None, None] and not result.quarantined
+    flat = tmp_path / "flat.jsonl"
+    flat.write_text(json.dumps({"task_id": "7", "input": "q", "response": "a", "agent_id": "me"}) + "\n")
+    (record,) = parse_file(flat).valid
+    assert record.trajectory.outcome is None

@@ -109,7 +109,9 @@ class Trajectory(BaseModel):
     query: str
     steps: list[Step]
     final_answer: str | None = None
-    outcome: Outcome
+    outcome: Outcome | None = Field(
+        None, description="how the episode ended; absent (or null) for an unlabelled trajectory: stored, no reward yet"
+    )
     timestamp: str | None = Field(None, description="ISO 8601 start time of the episode")
     metadata: dict[str, Any] = Field(default_factory=dict)
 

@@ -228,7 +228,7 @@ def trajectory_tables(record_json: Iterable[str], source: str) -> tuple[pl.DataF
     for text in record_json:
         t = orjson.loads(text)
         tid = t["trajectory_id"]
-        outcome = t["outcome"]
+        outcome = t.get("outcome") or {}  # unlabelled: no outcome yet
         trajectory_steps = t["steps"]
         row = (  # in the order of traj_columns
             tid,

@@ -135,7 +135,9 @@ def reward_table(
 
     Returns:
         One row per trajectory, in the input order: ``trajectory_id, task_id, agent_id,
-        r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, reward`` (Float64).
+        r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, reward`` (Float64;
+        ``r_outcome`` and ``reward`` are null for an unlabelled trajectory, one without a logged
+        outcome).
     """
     counts = (
         steps.lazy()
@@ -174,6 +176,10 @@ def reward_table(
             r_custom=pl.col("r_custom").fill_null(0.0),
         )
     )
+    # an unlabelled trajectory (no outcome logged) has no reward yet: shaping terms alone would
+    # rank it against labelled ones on length and tool use only
     return table.with_columns(
-        reward=pl.sum_horizontal("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom")
+        reward=pl.when(pl.col("r_outcome").is_not_null()).then(
+            pl.sum_horizontal("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom")
+        )
     )

@@ -32,7 +32,7 @@ class FlatRecord(BaseModel):
     task_id: str = Field(min_length=1)
     input: str
     response: str
-    score: FiniteFloat
+    score: FiniteFloat | None = None
     agent_id: str = Field(min_length=1)
     adapter_version: str | None = None
     timestamp: str | None = None
@@ -44,7 +44,11 @@ class FlatRecord(BaseModel):
 def flat_trajectory(record: FlatRecord, default_id: str) -> Trajectory:
     """The one-step trajectory of a validated flat record; ``default_id`` is used as
     ``trajectory_id`` when the record has no ``interaction_id``."""
-    success = record.success if record.success is not None else record.score >= SUCCESS_THRESHOLD
+    if record.success is None and record.score is None:
+        outcome = None  # unlabelled: stored, rewarded once a verifier, judge or feedback labels it
+    else:
+        success = record.success if record.success is not None else record.score >= SUCCESS_THRESHOLD
+        outcome = Outcome(success=success, score=record.score)
     return Trajectory(
         trajectory_id=record.interaction_id or default_id,
         task_id=record.task_id,
@@ -53,7 +57,7 @@ def flat_trajectory(record: FlatRecord, default_id: str) -> Trajectory:
         query=record.input,
         steps=[Step(index=0, kind="answer", output=record.response)],
         final_answer=record.response,
-        outcome=Outcome(success=success, score=record.score),
+        outcome=outcome,
         timestamp=record.timestamp,
         metadata=record.metadata,
     )
