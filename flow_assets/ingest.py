@@ -27,6 +27,7 @@ quarantined; :data:`EXIT_ALREADY_INGESTED` a file's bytes were already ingested 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ EXIT_ALREADY_INGESTED = 4
 
 _SEVERITY = {"failed": EXIT_FAILED, "all_quarantined": EXIT_ALL_QUARANTINED, "already_ingested": EXIT_ALREADY_INGESTED}
 _ORDER = (EXIT_FAILED, EXIT_ALL_QUARANTINED, EXIT_ALREADY_INGESTED)
+_EXCEPTION_PREFIX = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")
 _LAST_ASSET = AssetKey("advantages")  # a batch is ingested when the data plane's last asset is
 FORMAT_HELP = "see `flowopt schema` and docs/log-format.md for the canonical format, or name one with --format"
 
@@ -253,7 +255,8 @@ def ingest_files(
             outcome = run_job(defs, instance, "log_batch_job", key, log_level=log_level, tags={"flowopt/launched_by": "flowopt ingest"})
             if not outcome.success:
                 messages, tracebacks = failure_messages(outcome)
-                text = "; ".join(messages) or "run failed"
+                # "flow_assets.logs.records.UnreadableLogError: <file>: why" -> "<file>: why"
+                text = "; ".join(_EXCEPTION_PREFIX.sub("", m) for m in messages) or "run failed"
                 for snapshot in {str(lake.batch_snapshot(key)), str(lake.batch_snapshot(key).resolve())}:
                     text = text.replace(snapshot, str(file.path))
                 advice = "" if "flowopt schema" in text else f"; {FORMAT_HELP}"
