@@ -3,10 +3,11 @@
 What is measured, per size and repeat, in a fresh child process (so that its peak memory is its
 own):
 
-1. ``register``: one tick of ``new_logs_sensor`` (sha256 of the landed file, snapshot copy into the
-   lake, one dynamic partition);
+1. ``register``: one tick of ``new_logs_sensor`` (sha256 of the landed file, its manifest, one
+   dynamic partition);
 2. ``job``: ``log_batch_job`` executed in process on a real (SQLite) Dagster instance:
-   ``interaction_logs -> trajectories -> rewards -> advantages``, lake writes and metadata included;
+   ``interaction_logs -> trajectories -> rewards -> advantages``: the snapshot copy into the lake
+   with secret redaction (the default), lake writes and metadata included;
    each asset's own seconds come from its step events, the rest of the job is Dagster's overhead.
 
 The input: every real log file is parsed once (``parse_file``), its trajectories written back as
@@ -195,7 +196,7 @@ def job_child(landing: str, work: str) -> dict:
     work_dir = Path(work)
     instance = local_instance(work_dir / "dagster_home")
     lake_root = str(work_dir / "lake")
-    defs = build_definitions(lake_root, landing)
+    defs = build_definitions(lake_root, landing, settle_seconds=0)  # the batch landed complete
     baseline = rss_mb()
     register_seconds, tick = time_call(tick_sensor, defs, instance, "new_logs_sensor")
     job_seconds, tick = time_call(execute_requests, defs, instance, "log_batch_job", tick)

@@ -59,7 +59,7 @@ def round_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, th
     root = Path(work)
     models = root / "models"
     instance = local_instance(root / "dagster_home")
-    defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(models), tasks=TaskSourceResource())
+    defs = build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(models), tasks=TaskSourceResource(), settle_seconds=0)
     started = time.perf_counter()
     base = run_job(
         defs, instance, "base_policy_job", run_config={"ops": {"base_policy": {"config": {"sft": {"steps": sft_steps}}}}}

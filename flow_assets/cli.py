@@ -1,4 +1,4 @@
-"""The ``flowopt`` command: ``demo``, ``demo-real``, ``ingest PATH...``, ``serve``, ``models``,
+"""The ``flowopt`` command: ``demo``, ``demo-real``, ``ingest PATH...``, ``serve``, ``models``, ``registry``,
 ``rollback``, ``schema``."""
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def _serve(args: argparse.Namespace) -> int:
     from flow_assets.gateway.server import serve_forever
     from flow_assets.policy.store import PolicyStore
 
+    from flow_assets.ingest import check_source
+
+    if bad := check_source(args.source):
+        print(f"flowopt serve: {bad}", file=sys.stderr)
+        return 2
     store = PolicyStore(models_root=args.models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
     if not store.base_path.is_dir():
         print(f"flowopt serve: no base model at {store.base_path} (run `make demo`, or pass --base-model)", file=sys.stderr)
@@ -137,6 +142,18 @@ def _rollback(args: argparse.Namespace) -> int:
         print(f"flowopt rollback: {exc}", file=sys.stderr)
         return 1
     print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
+    return 0
+
+
+def _registry_rebuild(args: argparse.Namespace) -> int:
+    from resources.registry import AdapterRegistry, RegistryError
+
+    try:
+        content = AdapterRegistry(root=args.models).rebuild()
+    except RegistryError as exc:
+        print(f"flowopt registry rebuild: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"champion": content["champion"]["version"], "events": len(content["history"])}))
     return 0
 
 
@@ -219,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
     rollback.add_argument("--by", default=None, help="who rolls back (default: the current user)")
     rollback.set_defaults(fn=_rollback)
+    registry = sub.add_parser("registry", help="the adapter registry (champion and history)")
+    registry_sub = registry.add_subparsers(dest="registry_command", required=True)
+    rebuild = registry_sub.add_parser("rebuild", help="rebuild a damaged registry.json from its history event files")
+    rebuild.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    rebuild.set_defaults(fn=_registry_rebuild)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)

@@ -11,6 +11,8 @@ trajectory (ids seen, rewards, advantages), not its steps or their text.
 """
 
 
+from functools import partial
+
 import polars as pl
 from dagster import (
     AssetCheckResult,
@@ -26,6 +28,7 @@ from pydantic import Field
 
 from flow_assets.config import dagster_config
 from flow_assets.logs.chunks import read_chunks, worker_count
+from flow_assets.logs.records import display_path
 from flow_assets.logs.redact import DEFAULT_FIELDS, DEFAULT_PATTERNS, RedactionConfig, Redactor
 from flow_assets.logs.schema import Trajectory
 from flow_assets.logs import tables
@@ -102,7 +105,8 @@ def interaction_logs(
     manifest = lake.batch_manifest(key)
     if not lake.batch_snapshot(key).exists():
         redactor = Redactor(config.redaction())
-        lake.snapshot_batch(key, redactor.line if config.redact_secrets else None)
+        workers = worker_count(config.parse_workers, manifest.original_path)
+        lake.snapshot_batch(key, partial(redactor.stream, workers=workers) if config.redact_secrets else None)
         lake.write_batch_note(key, "redaction", {"enabled": config.redact_secrets, "redacted": dict(redactor.counts)})
     snapshot = lake.batch_snapshot(key)
     redaction = lake.read_batch_note(key, "redaction") or {"enabled": False, "redacted": {}}
@@ -128,7 +132,7 @@ def interaction_logs(
     conserved = n_valid + n_quarantined == records_read
     return MaterializeResult(
         metadata={
-            "file": manifest.original_path,
+            "file": display_path(manifest.original_path),
             "source": manifest.source,
             "format": stream.format,
             "sha256": manifest.sha256,

@@ -3,7 +3,8 @@
 Paths come from the environment so the same code serves the demo, CI and a deployment:
 ``FLOWOPT_LAKE`` (default ``.lake``), ``FLOWOPT_LANDING`` (default ``.landing``) and
 ``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry), relative to
-the working directory of the process that loads the code location; ``FLOWOPT_BASE_MODEL`` points
+the working directory of the process that loads the code location; ``FLOWOPT_SETTLE_SECONDS``
+(default 10) how long a landed file must stay unmodified before the sensor reads it; ``FLOWOPT_BASE_MODEL`` points
 at a user's own model directory instead of the tiny demo model. The trainable agent is the
 built-in calculator agent unless a ``tasks`` resource says otherwise.
 """
@@ -31,12 +32,14 @@ def build_resources(
     models_root: str | None = None,
     tasks: TaskSourceResource | None = None,
     base_model_path: str | None = None,
+    settle_seconds: float | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
     ``formats`` maps landing-relative globs to parser names (default: detect by content);
     ``tasks`` is the trainable agent's task source (default: the built-in calculator agent);
-    ``base_model_path`` a local model to train instead of the tiny one.
+    ``base_model_path`` a local model to train instead of the tiny one; ``settle_seconds`` 0 for a
+    caller that lands files only by rename and ticks the sensor at once (the demos, tests).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
@@ -46,7 +49,9 @@ def build_resources(
         "tasks": tasks or TaskSourceResource(kind="calculator"),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
-            directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"), formats=formats or {}
+            directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
+            formats=formats or {},
+            settle_seconds=float(os.environ.get("FLOWOPT_SETTLE_SECONDS", 10.0)) if settle_seconds is None else settle_seconds,
         ),
     }
 
@@ -58,14 +63,15 @@ def build_definitions(
     models_root: str | None = None,
     tasks: TaskSourceResource | None = None,
     base_model_path: str | None = None,
+    settle_seconds: float | None = None,
 ) -> Definitions:
-    """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources and
-    base models."""
+    """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
+    base models and settle times (:func:`build_resources`)."""
     return Definitions(
         assets=[*data_plane_assets, *training_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job],
         sensors=[new_logs_sensor, training_round_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds),
     )
 
 

@@ -270,7 +270,7 @@ def run_demo(
 
     # 1. the real logs
     spell_models = models_root / "spell_backward"
-    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource())
+    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource(), settle_seconds=0)
     land_shared_data(data_dir, landing_dir)
     tick = tick_sensor(spell, instance, "new_logs_sensor")
     execute_requests(spell, instance, "log_batch_job", tick)
@@ -305,7 +305,7 @@ def run_demo(
     # 3. the calculator agent, multi-turn with a tool, through the gateway
     print("\ncalculator agent (multi-turn, calls a calculator tool; every call through the gateway over HTTP) ...", flush=True)
     t0 = time.perf_counter()
-    agent_defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=TaskSourceResource(kind="calculator"))
+    agent_defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=TaskSourceResource(kind="calculator"), settle_seconds=0)
     agent_lines, agent_base_seconds = run_rounds(
         agent_defs, instance, models_root, agent_rounds, AGENT_BASE, AGENT_COLLECT, AGENT_TRAIN, AGENT_EVAL
     )

@@ -89,7 +89,7 @@ def run_real_demo(
     shutil.rmtree(models_root, ignore_errors=True)
     shutil.rmtree(landing_dir / landing_source(tasks.agent_id), ignore_errors=True)
     instance = local_instance(home)
-    defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path)
+    defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path, settle_seconds=0)
     # batches already in the lake (other agents, earlier runs) are not this run's to train
     save_cursor(instance, tick_sensor(defs, instance, "training_round_sensor", instance_cursor(instance)).cursor)
     source = tasks.source()

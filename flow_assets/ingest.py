@@ -14,7 +14,10 @@ same for users):
    directory are the sensor's business.
 3. A batch whose bytes were ingested before and went through the whole data plane is not run
    again ("already ingested", :data:`EXIT_ALREADY_INGESTED`) unless ``force``; one whose earlier
-   run failed or never finished runs again, with the format named now. A file landed under a
+   run failed or never finished runs again, with the format named now. A run whose process died
+   (``kill -9``) is first marked failed and its half-written files removed
+   (:mod:`flow_assets.recovery`). A per-batch lock makes a second process that ingests the same
+   bytes at the same time wait and report the first one's figures. A file landed under a
    name that an earlier batch with other bytes came from keeps both batches, unless ``replace``
    retires the earlier one (its partition and its lake rows).
 
@@ -26,6 +29,7 @@ quarantined; :data:`EXIT_ALREADY_INGESTED` a file's bytes were already ingested 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -35,7 +39,9 @@ from pathlib import Path
 from dagster import AssetKey, DagsterInstance
 
 from flow_assets.local import failure_messages, run_job
+from flow_assets.logs.records import display_path
 from flow_assets.partitions import log_batches
+from flow_assets.recovery import recover_dead_runs
 from flow_assets.summary import batch_summary
 from resources.lake import BatchManifest, TrajectoryLake
 from sensors.landing import LandedFile, batch_key, is_in_progress, sha256_file
@@ -95,10 +101,20 @@ class FileResult:
         return out
 
 
-def _check_source(source: str) -> str | None:
-    if not source or source in (".", "..") or "/" in source or "\\" in source or "\x00" in source:
-        return f"--source {source!r}: a source is one directory name (no '/', not '.' or '..')"
-    return None
+def check_source(source: str) -> str | None:
+    """Why ``source`` is not one safe directory name inside the landing directory, or ``None``."""
+    why = None
+    if not source or source in (".", ".."):
+        why = "is empty, '.' or '..'"
+    elif "/" in source or "\\" in source or os.path.isabs(source):
+        why = "holds a path separator"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in source):
+        why = "holds a control character"
+    elif is_in_progress(source):
+        why = "starts with '.' or ends with '.tmp' (names the sensor treats as still being written)"
+    elif len(os.fsencode(source)) > 200:
+        why = "is longer than 200 bytes"
+    return f"--source {source!r} {why}: a source is one directory name inside the landing directory" if why else None
 
 
 def _files_under(directory: Path) -> list[Path]:
@@ -123,7 +139,7 @@ def resolve_arguments(paths: list[str | os.PathLike], source: str | None = None)
             or ``source`` is not a single directory name; every problem is listed.
     """
     problems: list[str] = []
-    if source is not None and (bad := _check_source(source)):
+    if source is not None and (bad := check_source(source)):
         problems.append(bad)
     found: list[IngestFile] = []
     for raw in paths:
@@ -133,12 +149,17 @@ def resolve_arguments(paths: list[str | os.PathLike], source: str | None = None)
             if not inside:
                 problems.append(f"{path}: directory holds no log files")
             name = source or path.resolve().name
+            if source is None and (bad := check_source(name)):
+                problems.append(f"{path}: its name cannot be the source ({bad.removeprefix('--source ')}); name one with --source")
             found.extend(IngestFile(f, name, f.relative_to(path).as_posix()) for f in inside)
         elif path.is_file():
             if not os.access(path, os.R_OK):
                 problems.append(f"{path}: not readable (permission denied)")
                 continue
-            found.append(IngestFile(path, source or path.resolve().parent.name, path.name))
+            name = source or path.resolve().parent.name
+            if source is None and (bad := check_source(name)):
+                problems.append(f"{path}: its directory's name cannot be the source ({bad.removeprefix('--source ')}); name one with --source")
+            found.append(IngestFile(path, name, path.name))
         else:
             problems.append(f"{path}: no such file or directory")
     if problems:
@@ -151,7 +172,8 @@ def land(file: IngestFile, landing: Path) -> tuple[LandedFile, str]:
     return it as a landed file with the sha256 of the landed bytes (hex)."""
     dest = landing / file.source / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
+    # hidden and short whatever the name's length (name + ".tmp" may pass the 255-byte limit)
+    tmp = dest.with_name(f".{hashlib.sha256(os.fsencode(dest.name)).hexdigest()[:16]}.{os.getpid()}.tmp")
     shutil.copyfile(file.path, tmp)
     tmp.rename(dest)
     stat = dest.stat()
@@ -227,20 +249,22 @@ def ingest_files(
     other files; their messages name the user's file, not the lake's snapshot of it.
     """
     plan: list[tuple[IngestFile, str, bool, list[str]]] = []
+    recover_dead_runs(instance, lake)  # a batch whose run died is not done, so it runs again below
     done = instance.get_materialized_partitions(_LAST_ASSET)
     for file in files:
         landed, digest = land(file, landing)
         key = batch_key(landed, digest)
-        registered = instance.has_dynamic_partition(log_batches.name, key)
         manifest = BatchManifest(
             key=key, source=landed.source, original_path=str(landed.path), file_name=landed.path.name,
             sha256=digest, size_bytes=landed.size_bytes, fmt=fmt, landing_relpath=landed.relpath,
         )  # fmt: skip
-        run = force or not registered or key not in done
-        if run:
-            lake.register_batch(manifest)
-            if not registered:
-                instance.add_dynamic_partitions(log_batches.name, [key])
+        with lake.batch_lock(key):
+            registered = instance.has_dynamic_partition(log_batches.name, key)
+            run = force or not registered or key not in done
+            if run:
+                lake.register_batch(manifest)
+                if not registered:
+                    instance.add_dynamic_partitions(log_batches.name, [key])
         earlier = earlier_batches(lake, landed, key)
         if replace:
             for old in earlier:
@@ -248,17 +272,23 @@ def ingest_files(
         plan.append((file, key, run, earlier))
     results = []
     for file, key, run, earlier in plan:
-        result = FileResult(file=str(file.path), partition_key=key, status="ingested")
+        result = FileResult(file=display_path(file.path), partition_key=key, status="ingested")
         if replace:
             result.replaced = earlier
         if run:
-            outcome = run_job(defs, instance, "log_batch_job", key, log_level=log_level, tags={"flowopt/launched_by": "flowopt ingest"})
-            if not outcome.success:
+            with lake.batch_lock(key):  # another process running this batch now: wait, then use its result
+                ran_meanwhile = not force and key in instance.get_materialized_partitions(_LAST_ASSET)
+                outcome = None if ran_meanwhile else run_job(
+                    defs, instance, "log_batch_job", key, log_level=log_level, tags={"flowopt/launched_by": "flowopt ingest"}
+                )  # fmt: skip
+            if ran_meanwhile:
+                result.message = "another process ingested these bytes while this one waited; its figures are these"
+            elif not outcome.success:
                 messages, tracebacks = failure_messages(outcome)
                 # "flow_assets.logs.records.UnreadableLogError: <file>: why" -> "<file>: why"
                 text = "; ".join(_EXCEPTION_PREFIX.sub("", m) for m in messages) or "run failed"
-                for snapshot in {str(lake.batch_snapshot(key)), str(lake.batch_snapshot(key).resolve())}:
-                    text = text.replace(snapshot, str(file.path))
+                for snapshot in {lake.batch_snapshot(key), lake.batch_snapshot(key).resolve()}:
+                    text = text.replace(display_path(snapshot), display_path(file.path))
                 advice = "" if "flowopt schema" in text else f"; {FORMAT_HELP}"
                 result.status, result.message, result.traceback = "failed", f"{text}{advice}", "\n".join(tracebacks)
         else:

@@ -20,6 +20,10 @@ from dagster import (
     build_sensor_context,
 )
 
+from filelock import FileLock
+
+from flow_assets.recovery import process_tags
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,15 +31,23 @@ def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
     """The persistent instance in ``home`` (default: ``$DAGSTER_HOME``, else ``./.dagster_home``).
 
     The directory is created, and the repository's ``dagster.yaml`` copied into it when it has
-    none, so a fresh clone works without setup. ``DAGSTER_HOME`` is set for this process.
+    none, so a fresh clone works without setup; the storage is created under an inter-process
+    lock, so concurrent first calls do not race. ``DAGSTER_HOME`` is set for this process.
     """
     path = Path(home or os.environ.get("DAGSTER_HOME") or ".dagster_home").resolve()
     path.mkdir(parents=True, exist_ok=True)
-    template = REPO_ROOT / "dagster.yaml"
-    if template.exists() and not (path / "dagster.yaml").exists():
-        shutil.copyfile(template, path / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(path)
-    return DagsterInstance.get()
+    # Creating a new instance's storage (tables, alembic stamps) is not safe to race: two first
+    # ingests at once left "alembic_version has more than one head". One process creates it, under
+    # a lock in DAGSTER_HOME; the others then open the finished storage.
+    with FileLock(str(path / ".flowopt-instance.lock")):
+        template = REPO_ROOT / "dagster.yaml"
+        if template.exists() and not (path / "dagster.yaml").exists():
+            shutil.copyfile(template, path / "dagster.yaml")
+        instance = DagsterInstance.get()
+        instance.get_runs(limit=1)  # touch run, event log and schedule storage while locked
+        instance.get_dynamic_partitions("log_batches")
+    return instance
 
 
 def _root_message(error) -> str:
@@ -88,10 +100,14 @@ def run_job(
     """Execute ``job_name`` once, in process, as a run recorded on ``instance``.
 
     ``log_level`` applies to the console only (the instance keeps every event, stack traces
-    included, for the UI). Returns the ``ExecuteInProcessResult``; failures do not raise.
+    included, for the UI). The run is tagged with this process (:func:`~flow_assets.recovery.process_tags`).
+    Returns the ``ExecuteInProcessResult``; failures do not raise.
     """
     config = dict(run_config or {})
     config.setdefault("loggers", {"console": {"config": {"log_level": log_level}}})
+    # the run names this process, so that if the process dies the run can be told dead
+    # (flow_assets/recovery.py) instead of staying STARTED forever
+    tags = {**process_tags(), **(tags or {})}
     return defs.resolve_job_def(job_name).execute_in_process(
         instance=instance, partition_key=partition_key, run_config=config, tags=tags, raise_on_error=False
     )

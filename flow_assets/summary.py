@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from flow_assets.logs.records import display_path
 from flow_assets.rl.advantages import AdvantageConfig, group_advantages
 from resources.lake import TrajectoryLake
 
@@ -46,7 +47,7 @@ def batch_summary(lake: TrajectoryLake, keys: list[str] | None = None) -> pl.Dat
     """
     read = set(lake.batches("interaction_logs")) | set(lake.batches("quarantine"))
     manifests = pl.DataFrame(
-        [{"batch": m.key, "source": m.source, "file": m.file_name} for m in lake.registered_batches() if m.key in read],
+        [{"batch": m.key, "source": m.source, "file": display_path(m.file_name)} for m in lake.registered_batches() if m.key in read],
         schema={"batch": pl.String, "source": pl.String, "file": pl.String},
     )
     if keys is not None:

@@ -34,6 +34,7 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 from dagster import ConfigurableResource
+from filelock import FileLock
 from pydantic import Field
 
 
@@ -54,6 +55,10 @@ class BatchManifest:
 
 
 _COPY_BLOCK = 1 << 22
+#: bytes of whole lines handed to a snapshot's transform at once (one call per block, not per line)
+_TRANSFORM_BLOCK = 1 << 20
+#: a snapshot's rewrite: the file's blocks of whole lines in, the bytes to store out, in order
+BlockTransform = Callable[[Iterator[bytes]], Iterator[bytes]]
 
 
 class SnapshotError(RuntimeError):
@@ -76,12 +81,36 @@ class _HashingReader(io.RawIOBase):
         return n
 
 
-def _copy_hashed(src: Path, dst: Path, transform_line: Callable[[bytes], bytes] | None) -> str:
-    """Copy ``src`` to ``dst`` (each line through ``transform_line`` when given; gzip stays
-    gzip) and return the hex sha256 of ``src``'s bytes."""
+def _snapshot_name(file_name: str) -> str:
+    """The snapshot's file name in the lake: the landed file's name, unless that is near the
+    file system's 255-byte limit (the temporary name adds 5), then a hash keeping the suffix."""
+    if len(os.fsencode(file_name)) <= 200:
+        return file_name
+    return hashlib.sha256(os.fsencode(file_name)).hexdigest()[:32] + Path(file_name).suffix[:16]
+
+
+def _line_blocks(source: io.BufferedIOBase) -> Iterator[bytes]:
+    """``source``'s bytes in blocks of about :data:`_TRANSFORM_BLOCK`, each ending at a line end
+    (the last may not); a line longer than a block is one block of its own."""
+    carry = b""
+    while chunk := source.read(_TRANSFORM_BLOCK):
+        cut = chunk.rfind(b"\n") + 1
+        if not cut:
+            carry += chunk
+            continue
+        yield carry + chunk[:cut]
+        carry = chunk[cut:]
+    if carry:
+        yield carry
+
+
+def _copy_hashed(src: Path, dst: Path, transform: BlockTransform | None) -> str:
+    """Copy ``src`` to ``dst`` (through ``transform`` when given, which gets blocks of whole
+    lines of about :data:`_TRANSFORM_BLOCK` bytes; gzip stays gzip) and return the hex sha256 of
+    ``src``'s bytes."""
     digest = hashlib.sha256()
     with open(src, "rb", buffering=0) as raw:
-        if transform_line is None:
+        if transform is None:
             with open(dst, "wb") as out:
                 while block := raw.read(_COPY_BLOCK):
                     digest.update(block)
@@ -93,8 +122,8 @@ def _copy_hashed(src: Path, dst: Path, transform_line: Callable[[bytes], bytes] 
         source = gzip.GzipFile(fileobj=io.BufferedReader(hashed, _COPY_BLOCK)) if packed else io.BufferedReader(hashed, _COPY_BLOCK)
         sink = gzip.open(dst, "wb", compresslevel=1) if packed else open(dst, "wb")
         with source, sink:
-            for line in source:
-                sink.write(transform_line(line))
+            for block in transform(_line_blocks(source)):
+                sink.write(block)
         while hashed.read(_COPY_BLOCK):  # bytes after the gzip stream still count
             pass
     return digest.hexdigest()
@@ -342,11 +371,11 @@ class TrajectoryLake(ConfigurableResource):
         os.replace(tmp_manifest, batch_dir / "manifest.json")
         return batch_dir / "manifest.json"
 
-    def snapshot_batch(self, key: str, transform_line: Callable[[bytes], bytes] | None = None) -> Path:
+    def snapshot_batch(self, key: str, transform: BlockTransform | None = None) -> Path:
         """The batch's immutable copy of its log file, made on first call: the landing file is
         copied and hashed in one pass, and kept only if its sha256 (of the file's bytes as
-        landed) is the manifest's. ``transform_line`` rewrites each line on the way (secret
-        redaction); a gzip file is then decompressed, rewritten and compressed again. Later
+        landed) is the manifest's. ``transform`` rewrites the stream of blocks of whole lines on
+        the way (secret redaction: :meth:`~flow_assets.logs.redact.Redactor.stream`); a gzip file is then decompressed, rewritten and compressed again. Later
         calls (a re-materialisation) return the copy, whatever happened to the landing file.
 
         Raises:
@@ -355,12 +384,12 @@ class TrajectoryLake(ConfigurableResource):
                 (the message names the file; the new bytes are a batch of their own).
         """
         manifest = self.batch_manifest(key)
-        snapshot = self._batch_dir(key) / manifest.file_name
+        snapshot = self._batch_dir(key) / _snapshot_name(manifest.file_name)
         if snapshot.exists():
             return snapshot
-        tmp = self._batch_dir(key) / f".{manifest.file_name}.tmp"
+        tmp = self._batch_dir(key) / f".{snapshot.name}.tmp"
         try:
-            digest = _copy_hashed(Path(manifest.original_path), tmp, transform_line)
+            digest = _copy_hashed(Path(manifest.original_path), tmp, transform)
         except FileNotFoundError:
             tmp.unlink(missing_ok=True)
             raise SnapshotError(
@@ -392,6 +421,31 @@ class TrajectoryLake(ConfigurableResource):
         path = self._batch_dir(key) / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
+    def batch_lock(self, key: str) -> FileLock:
+        """An inter-process lock for batch ``key`` (``<root>/_locks/<key>.lock``): held while a
+        process registers or runs the batch, so two ``flowopt ingest`` of one file do not run it
+        twice at once."""
+        locks = Path(self.root) / "_locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(locks / f"{key}.lock"))
+
+    def remove_partial_files(self, key: str) -> list[Path]:
+        """Delete the temporary files (hidden ``.*.tmp``) that writers of batch ``key`` left when
+        their process died: in each table's partition directory and in the batch's snapshot
+        directory. Only for a batch no live process is writing (:mod:`flow_assets.recovery`).
+
+        Returns:
+            The files removed.
+        """
+        root = Path(self.root)
+        dirs = [d / f"batch={key}" for d in sorted(root.glob("[!_]*"))] if root.exists() else []
+        removed = []
+        for directory in [*dirs, self._batch_dir(key)]:
+            for tmp in sorted(directory.glob(".*.tmp")) if directory.is_dir() else []:
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+        return removed
+
     def drop_batch(self, key: str) -> None:
         """Delete batch ``key`` from the lake: its partition of every table and its snapshot and
         manifest (the batch is retired, e.g. replaced by a corrected file). Missing parts are fine."""
@@ -414,7 +468,7 @@ class TrajectoryLake(ConfigurableResource):
     def batch_snapshot(self, key: str) -> Path:
         """Path of batch ``key``'s immutable copy of its log file (made by :meth:`snapshot_batch`
         in the batch's first run; it may not exist yet)."""
-        return self._batch_dir(key) / self.batch_manifest(key).file_name
+        return self._batch_dir(key) / _snapshot_name(self.batch_manifest(key).file_name)
 
     def registered_batches(self) -> list[BatchManifest]:
         """Manifests of every registered batch, sorted by key."""

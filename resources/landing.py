@@ -19,12 +19,18 @@ class LogLanding(ConfigurableResource):
         tick_budget_seconds: seconds one ``new_logs_sensor`` tick may spend hashing new files
             (it always hashes at least one); the rest wait for the next tick. Dagster stops a
             sensor evaluation after 60 s, and a stopped tick saves no cursor.
+        settle_seconds: a file modified less than this many seconds ago is left for a later
+            tick, so a file written in place (not ``.tmp`` then rename) is not read half-written.
     """
 
     directory: str = Field(default=".landing", description="Landing directory for log files.")
     formats: dict[str, str] = Field(default_factory=dict, description="glob -> parser name")
     tick_budget_seconds: float = Field(
         default=20.0, ge=0.0, description="seconds a sensor tick may spend hashing new files (at least one file)"
+    )
+
+    settle_seconds: float = Field(
+        default=10.0, ge=0.0, description="a file modified more recently than this waits for a later tick"
     )
 
     def format_for(self, relpath: str) -> str:

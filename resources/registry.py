@@ -1,22 +1,30 @@
 """The adapter registry: which LoRA adapter is the champion, and how it got there.
 
 One JSON file (``<root>/registry.json``) holds the champion, the full history of promotions and
-rollbacks, and the latest round's candidate. Every write goes to a temporary file in the same directory, is fsync'ed, and is moved
-over the old file with ``os.replace``; a crash at any point leaves either the old registry or the
-new one, never a torn file.
+rollbacks, and the latest round's candidate. Every write goes to a temporary file in the same
+directory, is fsync'ed, and is moved over the old file with ``os.replace``; a crash at any point
+leaves either the old registry or the new one, never a torn file.
+
+Every read-modify-write holds an inter-process lock (``<root>/registry.json.lock``, ``filelock``),
+so concurrent promotions from several processes all land in the history. Each history event is
+also written, before ``registry.json``, as its own file ``<root>/history/<seq>.json``: if
+``registry.json`` is lost or damaged (edited by hand, a foreign file), :meth:`AdapterRegistry.rebuild`
+(``flowopt registry rebuild``) replays those files into a new one.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+from contextlib import contextmanager
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dagster import ConfigurableResource
+from filelock import FileLock
 from pydantic import Field
 
 
@@ -44,24 +52,80 @@ class AdapterRegistry(ConfigurableResource):
         """The registry file."""
         return Path(self.root) / "registry.json"
 
+    @property
+    def history_dir(self) -> Path:
+        """One file per history event (``<seq>.json``, 6 digits from 1): what :meth:`rebuild` reads."""
+        return Path(self.root) / "history"
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.path) + ".lock"):
+            yield
+
     def load(self) -> dict[str, Any]:
-        """The registry content (``{"champion": {...} | None, "history": [...]}``)."""
+        """The registry content (``{"champion": {...} | None, "history": [...]}``).
+
+        Raises:
+            RegistryError: ``registry.json`` is not a registry (truncated, not JSON, not an object
+                with ``champion`` and ``history``, a directory); the message says how to rebuild it.
+        """
         if not self.path.exists():
             return _empty()
-        return json.loads(self.path.read_text())
+        try:
+            content = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._damaged(str(getattr(error, "strerror", None) or error)) from None
+        if not isinstance(content, dict) or not isinstance(content.get("history"), list) or "champion" not in content:
+            raise self._damaged(f"a JSON {type(content).__name__} without \"champion\" and a \"history\" list")
+        return content
+
+    def _damaged(self, why: str) -> RegistryError:
+        events = len(list(self.history_dir.glob("*.json"))) if self.history_dir.is_dir() else 0
+        return RegistryError(
+            f"{self.path}: not a flowopt adapter registry ({why}); "
+            f"`flowopt registry rebuild --models {self.root}` rebuilds it from {events} event file(s) in {self.history_dir}"
+        )
+
+    def _append_event(self, content: dict[str, Any], event: dict[str, Any]) -> None:
+        # the event file first: a crash between the two writes leaves an event that rebuild replays
+        self.history_dir.mkdir(parents=True, exist_ok=True)
+        seq = len(content["history"]) + 1
+        _write_json(self.history_dir / f"{seq:06d}.json", event)
+        content["history"].append(event)
+
+    def rebuild(self) -> dict[str, Any]:
+        """Replace ``registry.json`` by the registry the event files in :attr:`history_dir`
+        describe (the champion is the version of the last event; the candidate is not kept).
+        The damaged file, if any, is kept beside it as ``registry.json.damaged``.
+
+        Returns:
+            The rebuilt content.
+
+        Raises:
+            RegistryError: there are no event files, or one is not readable JSON (named).
+        """
+        with self._locked():
+            files = sorted(self.history_dir.glob("*.json")) if self.history_dir.is_dir() else []
+            if not files:
+                raise RegistryError(f"{self.history_dir}: no history event files; nothing to rebuild from")
+            content = _empty()
+            for file in files:
+                try:
+                    event = json.loads(file.read_text())
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                    raise RegistryError(f"{file}: unreadable history event ({error})") from None
+                content["history"].append(event)
+                content["champion"] = {k: event[k] for k in ("version", "adapter_path", "metrics")}
+            if self.path.exists() or self.path.is_symlink():
+                os.replace(self.path, str(self.path) + ".damaged")
+            self._write(content)
+            return content
 
     def _write(self, content: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".registry.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(content, fh, indent=2, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        if self.path.is_dir():
+            raise self._damaged("a directory")
+        _write_json(self.path, content)
 
     def champion(self) -> dict[str, Any] | None:
         """The current champion entry (``version``, ``adapter_path``, ``metrics``) or ``None``."""
@@ -74,9 +138,10 @@ class AdapterRegistry(ConfigurableResource):
 
     def set_candidate(self, adapter_path: str, batch: str, parent_version: str) -> None:
         """Record the latest round's candidate (not a promotion: the champion is unchanged)."""
-        content = self.load()
-        content["candidate"] = {"adapter_path": adapter_path, "batch": batch, "parent_version": parent_version, "at": time.time()}
-        self._write(content)
+        with self._locked():
+            content = self.load()
+            content["candidate"] = {"adapter_path": adapter_path, "batch": batch, "parent_version": parent_version, "at": time.time()}
+            self._write(content)
 
     def promote(
         self, version: str, adapter_path: str, metrics: dict[str, Any], by: str, reason: str, action: str = "promote"
@@ -85,23 +150,28 @@ class AdapterRegistry(ConfigurableResource):
 
         Returns:
             The new champion entry.
+
+        Raises:
+            RegistryError: ``registry.json`` is damaged (:meth:`load`).
         """
-        content = self.load()
+        with self._locked():
+            return self._promote(self.load(), version, adapter_path, metrics, by, reason, action)
+
+    def _promote(self, content, version, adapter_path, metrics, by, reason, action) -> dict[str, Any]:
         previous = content["champion"]
         entry = {"version": version, "adapter_path": adapter_path, "metrics": metrics}
         content["champion"] = entry
-        content["history"].append(
-            {
-                "action": action,
-                "version": version,
-                "previous": previous["version"] if previous else None,
-                "adapter_path": adapter_path,
-                "metrics": metrics,
-                "by": by,
-                "reason": reason,
-                "at": time.time(),
-            }
-        )
+        event = {
+            "action": action,
+            "version": version,
+            "previous": previous["version"] if previous else None,
+            "adapter_path": adapter_path,
+            "metrics": metrics,
+            "by": by,
+            "reason": reason,
+            "at": time.time(),
+        }
+        self._append_event(content, event)
         self._write(content)
         return entry
 
@@ -112,9 +182,13 @@ class AdapterRegistry(ConfigurableResource):
         rolling back twice walks further back. The rollback itself is recorded in the history.
 
         Raises:
-            RegistryError: there is no champion, or the champion has no predecessor.
+            RegistryError: there is no champion, the champion has no predecessor, or the
+                predecessor's adapter directory is gone (nothing changes then).
         """
-        content = self.load()
+        with self._locked():
+            return self._rollback(self.load(), by, reason)
+
+    def _rollback(self, content, by, reason) -> dict[str, Any]:
         current = content["champion"]
         if current is None:
             raise RegistryError(f"{self.path}: no champion to roll back")
@@ -126,7 +200,12 @@ class AdapterRegistry(ConfigurableResource):
         if prev_version is None:
             raise RegistryError(f"{self.path}: champion {current['version']} has no previous champion")
         prev = next(e for e in reversed(content["history"]) if e["version"] == prev_version and e["action"] != "rollback")
-        return self.promote(
+        if not Path(prev["adapter_path"]).exists():
+            raise RegistryError(
+                f"{self.path}: cannot roll back to {prev_version}: its adapter {prev['adapter_path']} is gone; champion stays {current['version']}"
+            )
+        return self._promote(
+            content,
             prev_version,
             prev["adapter_path"],
             prev["metrics"],
@@ -134,3 +213,17 @@ class AdapterRegistry(ConfigurableResource):
             reason,
             action="rollback",
         )
+
+
+def _write_json(path: Path, content: Any) -> None:
+    """``content`` as JSON at ``path``, atomically (temp file in the same directory, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(content, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

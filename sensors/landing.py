@@ -2,7 +2,9 @@
 
 Landing convention (docs/log-format.md): a writer writes ``name.ext.tmp`` (or any name starting
 with ``.``) and renames it when complete; rename is atomic, so a file that is still being written
-is never seen under its final name. Files directly in the landing directory belong to the source
+is never seen under its final name. (A file written in place waits for the sensor's settle time.)
+Symbolic links are never followed: a link in the landing directory could point anywhere on the
+machine, and what it points to would be copied into the lake. Files directly in the landing directory belong to the source
 named after the file's stem; files in a sub-directory belong to the source named after that
 sub-directory (``landing/tau2-bench/**/*.json`` -> source ``tau2-bench``).
 """
@@ -10,23 +12,31 @@ sub-directory (``landing/tau2-bench/**/*.json`` -> source ``tau2-bench``).
 from __future__ import annotations
 
 import hashlib
-import re
+import os
+from stat import S_ISREG
 from dataclasses import dataclass
 from pathlib import Path
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
 class LandedFile:
-    """A complete file in the landing directory. ``size_bytes`` in bytes, ``mtime_ns`` in ns."""
+    """A complete file in the landing directory. ``size_bytes`` in bytes, ``mtime_ns`` and
+    ``ctime_ns`` (status change: any write, even one that restores the mtime) in ns, ``inode``
+    its inode number (a file renamed over it has another)."""
 
     path: Path
     relpath: str
     source: str
     size_bytes: int
     mtime_ns: int
+    ctime_ns: int = 0
+    inode: int = 0
+
+    def fingerprint(self) -> list[int]:
+        """What says the file may have changed since it was hashed: size, mtime, ctime, inode."""
+        return [self.size_bytes, self.mtime_ns, self.ctime_ns, self.inode]
 
 
 def is_in_progress(name: str) -> bool:
@@ -35,21 +45,30 @@ def is_in_progress(name: str) -> bool:
 
 
 def list_landed(landing_dir: Path) -> list[LandedFile]:
-    """Complete files under ``landing_dir`` (recursive), sorted by relative path.
+    """Complete regular files under ``landing_dir`` (recursive), sorted by relative path;
+    symbolic links (to files or directories) are skipped, and so is a file removed while listing.
 
     Returns an empty list when the directory does not exist yet.
     """
-    if not landing_dir.exists():
+    if not landing_dir.is_dir():
         return []
     files = []
-    for path in sorted(landing_dir.rglob("*")):
-        rel = path.relative_to(landing_dir)
-        if not path.is_file() or any(is_in_progress(part) for part in rel.parts):
-            continue
-        stat = path.stat()
-        source = rel.parts[0] if len(rel.parts) > 1 else path.stem
-        files.append(LandedFile(path, rel.as_posix(), source, stat.st_size, stat.st_mtime_ns))
-    return files
+    for root, dirs, names in os.walk(landing_dir):  # does not descend into linked directories
+        dirs[:] = sorted(d for d in dirs if not is_in_progress(d) and not os.path.islink(os.path.join(root, d)))
+        for name in sorted(names):
+            path = Path(root, name)
+            if is_in_progress(name):
+                continue
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:
+                continue
+            if not S_ISREG(stat.st_mode):  # a link, fifo, socket: never read
+                continue
+            rel = path.relative_to(landing_dir)
+            source = rel.parts[0] if len(rel.parts) > 1 else path.stem
+            files.append(LandedFile(path, rel.as_posix(), source, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino))
+    return sorted(files, key=lambda f: f.relpath)
 
 
 def sha256_file(path: Path) -> str:
@@ -61,14 +80,43 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: characters a partition key component keeps as they are; every other byte is encoded
+_KEPT = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+#: longest encoded component kept whole; a longer one is cut and ends with a hash of the whole
+KEY_COMPONENT_LIMIT = 64
+
+
+def key_component(text: str, limit: int = KEY_COMPONENT_LIMIT) -> str:
+    """``text`` as one component of a partition key: letters, digits, ``_`` and ``-`` kept, every
+    other byte of its file-system encoding written ``~XX`` (hex), so two different names never give
+    the same component (``team a`` -> ``team~20a``, ``team-a`` stays; ``.`` and ``/`` are encoded
+    too, which keeps the ``.``-separated key unambiguous). A component longer than ``limit`` is cut
+    and ends ``~~`` + 10 hex of the sha256 of the whole name (``~~`` never occurs otherwise).
+
+    Names that are not valid UTF-8 (``os.fsencode``'s surrogate escapes) are encoded from their bytes.
+    """
+    raw = os.fsencode(text)
+    out = "".join(chr(b) if b in _KEPT else f"~{b:02X}" for b in raw)
+    if len(out) > limit:
+        cut = out[: limit - 12]
+        tilde = cut.rfind("~", len(cut) - 2)
+        cut = cut[:tilde] if tilde >= 0 else cut  # never half an escape
+        out = cut + "~~" + hashlib.sha256(raw).hexdigest()[:10]
+    return out
+
+
 def batch_key(landed: LandedFile, sha256: str) -> str:
-    """Partition key of a landed file: ``<source>.<file stem>.<first 12 hex of sha256>``.
+    """Partition key of a landed file: ``<source>.<path inside the source, no extension>.<first 12
+    hex of sha256>`` (``<source>.<sha>`` for a file directly in the landing directory), each name
+    through :func:`key_component`.
 
     The hash makes the key follow the content: the same bytes give the same key (idempotent
-    across sensor ticks and restarts); a rewritten file gives a new key, i.e. a new batch.
+    across sensor ticks and restarts); a rewritten file gives a new key, i.e. a new batch. The
+    encoding makes it injective: different (source, path, bytes) never share a key.
     """
     parts = Path(landed.relpath).parts
     inside = Path(*parts[1:]) if len(parts) > 1 else Path(parts[0])
-    source = _UNSAFE.sub("-", landed.source)[:40].strip("-") or "source"
-    stem = _UNSAFE.sub("-", inside.with_suffix("").as_posix())[:48].strip("-") or "file"
-    return f"{source}.{stem}.{sha256[:12]}" if stem != source else f"{source}.{sha256[:12]}"
+    stem = inside.with_suffix("").as_posix()
+    if len(parts) == 1 and stem == landed.source:
+        return f"{key_component(landed.source)}.{sha256[:12]}"
+    return f"{key_component(landed.source)}.{key_component(stem)}.{sha256[:12]}"

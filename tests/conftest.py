@@ -1,5 +1,6 @@
 """Shared fixtures: the real agent logs beside the repo, and a real Dagster instance."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,10 @@ from dagster import instance_for_test
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TAU_BENCH = SHARED_DATA / "tau-bench" / "gpt-4o-airline.json"
+
+# Tests land files complete (written, or renamed from .tmp) and tick the sensor at once; the
+# settle time for files written in place has its own test, which sets it.
+os.environ.setdefault("FLOWOPT_SETTLE_SECONDS", "0")
 
 
 @pytest.fixture(scope="session")

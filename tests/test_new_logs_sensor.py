@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import time
 
 from dagster import RunRequest, SensorResult, build_sensor_context
 
@@ -112,7 +113,7 @@ def test_a_tick_stops_hashing_when_its_budget_is_spent(tmp_path, dagster_instanc
     landing, lake, _ = _setup(tmp_path)
     (landing / "tau-bench" / "copy.json").write_bytes(TAU_BENCH.read_bytes())
     defs = build_definitions(str(lake), str(landing))
-    budget = {**defs.resources, "landing": LogLanding(directory=str(landing), tick_budget_seconds=0.0)}
+    budget = {**defs.resources, "landing": LogLanding(directory=str(landing), tick_budget_seconds=0.0, settle_seconds=0)}
     cursor, per_tick = None, []
     for _ in range(4):
         with build_sensor_context(instance=dagster_instance, cursor=cursor, resources=budget, sensor_name="new_logs_sensor") as ctx:
@@ -136,3 +137,47 @@ def test_tmp_file_is_never_read_until_renamed(tmp_path, dagster_instance):
     os.replace(partial, landing / "tau-bench" / "more.json")
     after = _tick(defs, dagster_instance, first.cursor)
     assert [r.partition_key.split(".")[1] for r in after.run_requests] == ["more"]
+
+
+def test_symbolic_links_in_the_landing_directory_are_never_followed(tmp_path, dagster_instance):
+    landing, lake, defs = _setup(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copyfile(TAU_BENCH, outside / "private.json")
+    (landing / "tau-bench" / "linked.json").symlink_to(outside / "private.json")
+    (landing / "linked-dir").symlink_to(outside, target_is_directory=True)
+    result = _tick(defs, dagster_instance)
+    assert len(result.run_requests) == 2  # the two real files only
+    manifests = TrajectoryLake(root=str(lake)).registered_batches()
+    assert not any("elsewhere" in m.original_path or "linked" in m.original_path for m in manifests)
+
+
+def test_a_file_written_in_place_waits_until_it_has_settled(tmp_path, dagster_instance):
+    landing, lake = tmp_path / "landing", tmp_path / "lake"
+    (landing / "mine").mkdir(parents=True)
+    defs = build_definitions(str(lake), str(landing), settle_seconds=60)
+    records = json.loads(TAU_BENCH.read_bytes())
+    target = landing / "mine" / "runs.json"
+    target.write_text(json.dumps(records[:100])[:-1])  # half-written in place, no .tmp
+    first = _tick(defs, dagster_instance)
+    assert not first.run_requests and "left for a later tick" in first.skip_reason.skip_message
+    target.write_text(json.dumps(records[:150]))  # the writer finishes
+    assert not _tick(defs, dagster_instance, first.cursor).run_requests  # modified just now: still waits
+    settled = time.time() - 61
+    os.utime(target, (settled, settled))
+    (request,) = _tick(defs, dagster_instance, first.cursor).run_requests
+    assert run_job(defs, dagster_instance, "log_batch_job", request.partition_key).success
+    assert TrajectoryLake(root=str(lake)).read_partition("trajectories", request.partition_key).height == 150
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_still_a_new_batch(tmp_path, dagster_instance):
+    landing, _, defs = _setup(tmp_path)
+    first = _tick(defs, dagster_instance)
+    target = landing / "tau-bench" / TAU_BENCH.name
+    before = target.stat()
+    data = target.read_bytes().replace(b'"reward": 0.0', b'"reward": 1.0', 1)  # same length
+    assert len(data) == before.st_size
+    target.write_bytes(data)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))  # size and mtime as before
+    (request,) = _tick(defs, dagster_instance, first.cursor).run_requests
+    assert request.partition_key.startswith("tau-bench.") and request.partition_key not in [r.partition_key for r in first.run_requests]

@@ -62,3 +62,35 @@ def test_sensor_runs_and_partitions_live_in_postgres(tmp_path, postgres_db):
         assert cur.fetchone()[0] == 1
         cur.execute("select partition from dynamic_partitions")
         assert [r[0] for r in cur.fetchall()] == [key]
+
+
+def test_concurrent_ingests_on_a_new_postgres_instance(tmp_path, postgres_db):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from dagster import DagsterInstance, RunsFilter
+
+    from tests.conftest import SHARED_DATA
+
+    home = tmp_path / "home"
+    home.mkdir()
+    db = {"hostname": HOST, "port": PORT, "username": USER, "db_name": postgres_db, "scheme": "postgresql+psycopg2"}
+    (home / "dagster.yaml").write_text(yaml.safe_dump({"storage": {"postgres": {"postgres_db": db}}, "telemetry": {"enabled": False}}))
+    tau2 = sorted((SHARED_DATA / "tau2-bench").rglob("*.json"))[0]
+    flowopt = str(Path(sys.executable).with_name("flowopt"))
+    cmds = [[flowopt, "ingest", str(f), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"), "--home", str(home)]
+            for f in (TAU_BENCH, TAU_BENCH, tau2)]  # fmt: skip
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=900) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes[2] == 0 and sorted(codes[:2]) in ([0, 0], [0, 4]), [e[-2000:] for _, e in outs]
+    rows = [json.loads(out)["files"][0] for out, _ in outs]
+    assert rows[0]["trajectories"] == rows[1]["trajectories"] == 200 and rows[2]["trajectories"] > 0
+    instance = DagsterInstance.from_config(str(home))
+    assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+    same = instance.get_runs(RunsFilter(job_name="log_batch_job", tags={"dagster/partition": rows[0]["partition_key"]}))
+    assert [r.status.value for r in same] == ["SUCCESS"]  # the same bytes ran once
+    instance.dispose()

@@ -12,14 +12,21 @@ import pytest
 from resources.registry import AdapterRegistry, RegistryError
 
 
+def _adapters(root, *versions):
+    for v in versions:
+        (root / "adapters" / v).mkdir(parents=True)
+    return {v: str(root / "adapters" / v) for v in versions}
+
+
 def test_promotions_keep_history_and_rollback_restores_the_previous_champion(tmp_path):
     reg = AdapterRegistry(root=str(tmp_path))
-    reg.promote("v0", "/a/v0", {"success": 0.4}, by="test", reason="base")
-    reg.promote("v1", "/a/v1", {"success": 0.5}, by="test", reason="round 1")
-    reg.promote("v2", "/a/v2", {"success": 0.6}, by="test", reason="round 2")
+    a = _adapters(tmp_path, "v0", "v1", "v2")
+    reg.promote("v0", a["v0"], {"success": 0.4}, by="test", reason="base")
+    reg.promote("v1", a["v1"], {"success": 0.5}, by="test", reason="round 1")
+    reg.promote("v2", a["v2"], {"success": 0.6}, by="test", reason="round 2")
     assert reg.champion()["version"] == "v2"
     back = reg.rollback(by="oncall", reason="A/B regression")
-    assert back == {"version": "v1", "adapter_path": "/a/v1", "metrics": {"success": 0.5}}
+    assert back == {"version": "v1", "adapter_path": a["v1"], "metrics": {"success": 0.5}}
     assert reg.champion()["version"] == "v1"
     assert reg.rollback(by="oncall")["version"] == "v0"
     with pytest.raises(RegistryError, match="no previous champion"):
@@ -44,7 +51,7 @@ def test_failed_write_leaves_the_old_registry_and_no_temp_file(tmp_path, monkeyp
     with pytest.raises(OSError, match="disk full"):
         reg.promote("v1", "/a/v1", {}, by="t", reason="r")
     assert reg.path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["registry.json"]
+    assert not [p for p in tmp_path.rglob("*.tmp")]
 
 
 WRITER = """
@@ -84,3 +91,57 @@ def test_registry_survives_sigkill_during_writes(tmp_path):
         # versions are numbered by history position, so a lost or duplicated entry would show
         assert len(content["history"]) == int(champ.removeprefix("v")) + 1
     assert reg.champion()["version"] != "v0"  # the writer did get writes in
+
+
+
+PROMOTER = """
+import sys
+from resources.registry import AdapterRegistry
+reg = AdapterRegistry(root=sys.argv[1])
+for i in range(int(sys.argv[3])):
+    reg.promote(f"{sys.argv[2]}-{i}", "/a", {}, by=sys.argv[2], reason="race")
+"""
+
+
+def test_concurrent_promotions_from_two_processes_all_land_in_the_history(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", PROMOTER, str(tmp_path), name, "60"]) for name in ("p", "q")]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    history = AdapterRegistry(root=str(tmp_path)).load()["history"]
+    assert len(history) == 120  # without the lock, read-modify-write races lost entries
+    assert sorted(e["version"] for e in history) == sorted(f"{n}-{i}" for n in "pq" for i in range(60))
+    assert len(list((tmp_path / "history").glob("*.json"))) == 120
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty object", "list", "directory"])
+def test_a_damaged_registry_is_reported_in_one_line_and_rebuilt_from_its_event_files(tmp_path, damage):
+    reg = AdapterRegistry(root=str(tmp_path))
+    a = _adapters(tmp_path, "v0", "v1")
+    reg.promote("v0", a["v0"], {"success": 0.4}, by="t", reason="base")
+    reg.promote("v1", a["v1"], {"success": 0.5}, by="t", reason="round 1")
+    good = reg.load()
+    if damage == "directory":
+        reg.path.unlink()
+        reg.path.mkdir()
+    else:
+        reg.path.write_text({"truncated": reg.path.read_text()[:40], "empty object": "{}", "list": "[]"}[damage])
+    with pytest.raises(RegistryError) as info:
+        reg.champion()
+    message = str(info.value)
+    assert "\n" not in message and str(reg.path) in message and "flowopt registry rebuild" in message
+    cli = subprocess.run([sys.executable, "-m", "flow_assets.cli", "rollback", "--models", str(tmp_path)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr and "flowopt registry rebuild" in cli.stderr
+    cli = subprocess.run([sys.executable, "-m", "flow_assets.cli", "registry", "rebuild", "--models", str(tmp_path)], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout) == {"champion": "v1", "events": 2}
+    assert reg.load() == good
+
+
+def test_rollback_refuses_a_target_whose_adapter_is_gone(tmp_path):
+    reg = AdapterRegistry(root=str(tmp_path))
+    a = _adapters(tmp_path, "v0", "v1")
+    reg.promote("v0", a["v0"], {}, by="t", reason="base")
+    reg.promote("v1", a["v1"], {}, by="t", reason="round 1")
+    os.rmdir(a["v0"])
+    cli = subprocess.run([sys.executable, "-m", "flow_assets.cli", "rollback", "--models", str(tmp_path)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "its adapter" in cli.stderr and "is gone" in cli.stderr
+    assert reg.champion()["version"] == "v1" and len(reg.load()["history"]) == 2

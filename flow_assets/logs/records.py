@@ -5,16 +5,25 @@ Conservation holds for every file: ``len(valid) + len(quarantined) == records_re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from flow_assets.logs.schema import Trajectory
 
 
+def display_path(path: str | os.PathLike) -> str:
+    """``path`` as text that can be stored and printed anywhere: a file name that is not valid
+    UTF-8 (Python holds its bytes as surrogate escapes, which no UTF-8 writer accepts) shows its
+    bytes as ``\\xNN`` (``caf\\xe9.json``); any other path is unchanged."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 class UnreadableLogError(Exception):
     """A whole log file cannot be read (missing, unreadable, or not parseable as its format at
-    all). The message names the file; only the partition of that file fails."""
+    all). The message names the file (:func:`display_path`); only the partition of that file fails."""
 
     def __init__(self, path: str, reason: str):
+        path = display_path(path)
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
@@ -26,13 +35,15 @@ class ValidRecord:
 
     ``line`` is the 1-based line of the record in the file where the format has one record per
     line (JSONL), else ``None``; ``pointer`` is a JSON Pointer (RFC 6901) to the record inside a
-    whole-file JSON document (e.g. ``/simulations/3``), else ``None``.
+    whole-file JSON document (e.g. ``/simulations/3``), else ``None``. ``record_json`` is the
+    trajectory's canonical JSON when the reader made it (it checks that it can be).
     """
 
     trajectory: Trajectory
     file: str
     line: int | None = None
     pointer: str | None = None
+    record_json: str | None = None
 
 
 @dataclass(frozen=True)

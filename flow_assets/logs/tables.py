@@ -90,7 +90,7 @@ class CanonicalRecord(NamedTuple):
     def of(cls, record: ValidRecord) -> CanonicalRecord:
         """The canonical form of a valid record (serialised with the schema's own writer)."""
         t = record.trajectory
-        return cls(record.file, record.line, record.pointer, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json())
+        return cls(record.file, record.line, record.pointer, t.trajectory_id, t.task_id, t.agent_id, record.record_json or t.model_dump_json())
 
 
 VALID_RECORDS_SCHEMA = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,10 @@ from typing import Annotated, Any, BinaryIO
 
 import orjson
 from pydantic import BeforeValidator, ValidationError
+from pydantic_core import PydanticSerializationError
 
-from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError, ValidRecord
+from flow_assets.logs.faithful import decode_marked, find_problem, suspicious
+from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableLogError, ValidRecord, display_path
 from flow_assets.logs.schema import Trajectory
 
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
@@ -95,45 +96,20 @@ def explain_validation(error: ValidationError) -> RecordError:
     return RecordError(reason, field)
 
 
-def find_non_finite(
-    value: Any, path: tuple[Any, ...] = ()
-) -> tuple[tuple[Any, ...], float] | None:
-    """Locate the first NaN or infinite float inside a decoded JSON value, depth first.
-
-    Returns ``(path, number)`` or ``None`` when every number is finite.
-    """
-    if isinstance(value, float):
-        return None if math.isfinite(value) else (path, value)
-    if isinstance(value, dict):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        found = find_non_finite(item, (*path, key))
-        if found is not None:
-            return found
-    return None
-
-
-def non_finite_error(found: tuple[tuple[Any, ...], float]) -> RecordError:
-    """The quarantine reason for a NaN/Infinity found by :func:`find_non_finite`."""
-    path, number = found
+def problem_error(found: tuple[tuple[Any, ...], str]) -> RecordError:
+    """The quarantine reason for a place :func:`~flow_assets.logs.faithful.find_problem` found
+    (a NaN, a number beyond 64 bits, a duplicate key, a lone surrogate), naming its field."""
+    path, why = found
     field = dotted(path)
-    literal = "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
-    return RecordError(
-        f"{field or 'record'}: {literal} is not a finite number (JSON has no NaN or Infinity)",
-        field,
-    )
+    return RecordError(f"{field or 'record'}: {why}", field)
 
 
 def decode_record(raw: bytes) -> Any:
-    """Decode one JSON record with orjson; when that fails, find out precisely why.
+    """Decode one JSON record that orjson refused, and find out precisely why.
 
-    Returns the decoded value. Raises :class:`RecordError` naming the byte offset of the first
-    non-UTF-8 byte, the field holding a NaN/Infinity literal (which orjson refuses and Python's
-    ``json`` accepts, so the latter is used to locate it), or orjson's own syntax message.
+    Raises :class:`RecordError` naming the byte offset of the first non-UTF-8 byte, the field
+    holding what orjson refuses and Python's ``json`` accepts (a NaN/Infinity literal, ``1e400``,
+    a lone surrogate; :mod:`flow_assets.logs.faithful`), or orjson's own syntax message.
     """
     try:
         return orjson.loads(raw)
@@ -145,15 +121,27 @@ def decode_record(raw: bytes) -> Any:
                 f"not valid UTF-8: byte 0x{raw[bad.start]:02x} at byte offset {bad.start}"
             ) from None
         try:
-            lenient = json.loads(text)
+            marked = decode_marked(text)
         except (ValueError, RecursionError):  # nesting deeper than orjson's 1024 levels
             raise RecordError(f"invalid JSON: {strict_error}") from None
-        found = find_non_finite(lenient)
+        found = find_problem(marked)
         if found is not None:
-            raise non_finite_error(found) from None
-        # Python accepted what orjson did not and no NaN is to blame (a lone surrogate, say):
-        # keep orjson's verdict, since the record could not be written back as valid JSON.
+            raise problem_error(found) from None
         raise RecordError(f"invalid JSON: {strict_error}") from None
+
+
+def faithful_record(raw: bytes) -> Any:
+    """``raw`` (one record that orjson decoded but :func:`~flow_assets.logs.faithful.suspicious`
+    flagged) decoded again faithfully: the value when nothing is altered, else
+    :class:`RecordError` naming the field (an integer beyond 64 bits, a duplicate key)."""
+    try:
+        marked = decode_marked(raw.decode("utf-8"))
+    except RecursionError:
+        raise RecordError("record is nested too deeply to be read and stored (over about 1,000 levels)") from None
+    found = find_problem(marked)
+    if found is not None:
+        raise problem_error(found)
+    return marked
 
 
 def _json_kind(value: Any) -> str:
@@ -194,7 +182,7 @@ class Books:
     valid trajectory id (not per record body), so a file of any size streams in bounded space."""
 
     def __init__(self, path: Path, fmt: str):
-        self.file = str(path)
+        self.file = display_path(path)
         self.format = fmt
         self.records_read = 0
         self._seen_ids: dict[str, int | str] = {}
@@ -211,10 +199,17 @@ class Books:
             )
 
     def accept(self, trajectory: Trajectory, where: int | str, **position: Any) -> ValidRecord:
-        """A valid record of ``trajectory`` found at ``where`` (see :meth:`claim_id`).
-        Raises RecordError when its id was already seen."""
+        """A valid record of ``trajectory`` found at ``where`` (see :meth:`claim_id`), with its
+        canonical JSON. Raises RecordError when its id was already seen, or when it cannot be
+        written as JSON (nested deeper than the serialiser goes, text that is not Unicode), so
+        that record, not its file, fails."""
+        try:
+            record_json = trajectory.model_dump_json()
+        except (PydanticSerializationError, ValueError, UnicodeError, RecursionError) as error:
+            message = str(error).splitlines()[0][:200]
+            raise RecordError(f"record cannot be stored as canonical JSON: {message}") from None
         self.claim_id(trajectory.trajectory_id, where)
-        return ValidRecord(trajectory, self.file, **position)
+        return ValidRecord(trajectory, self.file, record_json=record_json, **position)
 
     def empty_file(self) -> QuarantinedRecord:
         """The one record of a file that held none (empty or whitespace only), counted as read,
@@ -306,6 +301,9 @@ def read_line(line: bytes, line_no: int, convert: LineConverter, max_record_byte
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
         obj = decode_record(line.rstrip(b"\r\n"))  # says why, on the record's bytes
+    else:
+        if suspicious(line, obj):  # orjson may have rounded a number or dropped a duplicate key
+            obj = faithful_record(line.rstrip(b"\r\n"))
     return _convert(convert, _require_object(obj), line_no)
 
 
@@ -379,18 +377,26 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
 
 @dataclass(frozen=True)
 class Document:
-    """A whole-file JSON document. ``lenient`` is true when orjson refused it and Python's
-    ``json`` (which accepts NaN/Infinity literals) had to read it; elements must then be
-    checked for non-finite numbers and re-serialised with ``json`` to keep them intact."""
+    """A whole-file JSON document. ``lenient`` is true when orjson refused it, or may have
+    altered it (:func:`~flow_assets.logs.faithful.suspicious`), and Python's ``json`` read it
+    with marks (:func:`~flow_assets.logs.faithful.decode_marked`); each element must then be
+    checked (:func:`~flow_assets.logs.faithful.find_problem`) and is re-serialised with ``json``."""
 
     value: Any
     lenient: bool = False
 
     def raw(self, element: Any) -> bytes:
-        """The element's bytes for a quarantine record: compact JSON, NaN kept as ``NaN``."""
-        if self.lenient:
-            return json.dumps(element, ensure_ascii=False, allow_nan=True).encode("utf-8")
-        return orjson.dumps(element)
+        """The element's bytes for a quarantine record: compact JSON, NaN kept as ``NaN``, a lone
+        surrogate as its ``\\u`` escape. (The batch's snapshot keeps the document as written.)"""
+        try:
+            if self.lenient:
+                try:
+                    return json.dumps(element, ensure_ascii=False, allow_nan=True).encode("utf-8")
+                except UnicodeEncodeError:
+                    return json.dumps(element, ensure_ascii=True, allow_nan=True).encode("ascii")
+            return orjson.dumps(element)
+        except (RecursionError, orjson.JSONEncodeError, ValueError, TypeError) as error:
+            return f"(element not re-serialisable: {type(error).__name__}: {error}; see the batch's snapshot)".encode()
 
 
 def load_document(path: Path) -> Document | None:
@@ -408,18 +414,22 @@ def load_document(path: Path) -> Document | None:
     if not data.strip():
         return None
     try:
-        return Document(orjson.loads(data))
+        value = orjson.loads(data)
     except orjson.JSONDecodeError as strict_error:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            reason = f"not valid UTF-8: byte 0x{data[bad.start]:02x} at byte offset {bad.start}"
-            raise UnreadableLogError(str(path), reason) from None
-        try:
-            lenient = json.loads(text)
-        except (ValueError, RecursionError):
-            raise UnreadableLogError(str(path), f"not valid JSON: {strict_error}") from None
-        return Document(lenient, lenient=True)
+        problem = f"not valid JSON: {strict_error}"
+    else:
+        if not suspicious(data, value):
+            return Document(value)
+        problem = None  # maybe a number rounded or a key dropped: read it faithfully, check per element
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        reason = f"not valid UTF-8: byte 0x{data[bad.start]:02x} at byte offset {bad.start}"
+        raise UnreadableLogError(str(path), reason) from None
+    try:
+        return Document(decode_marked(text), lenient=True)
+    except (ValueError, RecursionError) as error:
+        raise UnreadableLogError(str(path), problem or f"not valid JSON: {error}") from None
 
 
 def pointer_token(key: Any) -> str:
@@ -447,9 +457,9 @@ def stream_elements(
             try:
                 obj = _require_object(element)
                 if document.lenient:
-                    found = find_non_finite(obj)
+                    found = find_problem(obj)
                     if found is not None:
-                        raise non_finite_error(found)
+                        raise problem_error(found)
                 yield books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
             except RecordError as error:
                 yield books.quarantine(error, document.raw(element), pointer=pointer)

@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from flow_assets.logs.records import display_path
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     RecordError,
@@ -230,7 +231,7 @@ def stream_fireact(
 
     def convert(obj: dict[str, Any], pointer: str) -> Trajectory:
         record = FireActRecord.model_validate(obj)
-        return fireact_trajectory(question_of[pointer], record, path.stem)
+        return fireact_trajectory(question_of[pointer], record, display_path(path.stem))
 
     elements = ((pointer, document.value[key]) for pointer, key in question_of.items())
     return stream_elements(path, FORMAT, document, elements, convert)

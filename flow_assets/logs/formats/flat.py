@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flow_assets.logs.records import display_path
 from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, LineConverter, RecordStream, stream_jsonl
 from flow_assets.logs.schema import FiniteFloat, Outcome, Step, Trajectory
 
@@ -87,4 +88,4 @@ def flat_line(stem: str, obj: dict[str, Any], line: int) -> Trajectory:
 
 def line_converter(path: str | Path) -> LineConverter:
     """The converter of ``path``'s lines; picklable, so worker processes can run it."""
-    return partial(flat_line, Path(path).stem)
+    return partial(flat_line, display_path(Path(path).stem))

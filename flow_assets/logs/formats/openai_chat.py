@@ -27,6 +27,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flow_assets.logs.records import display_path
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     TaskId,
@@ -291,7 +292,7 @@ def stream_tau_bench(
     require_document_shape(path, document, is_list, "a JSON list of tau-bench runs")
 
     def convert(obj: dict[str, Any], pointer: str) -> Trajectory:
-        return tau_bench_trajectory(TauBenchRun.model_validate(obj), path.stem)
+        return tau_bench_trajectory(TauBenchRun.model_validate(obj), display_path(path.stem))
 
     elements = ((f"/{i}", element) for i, element in enumerate(document.value))
     return stream_elements(path, FORMAT, document, elements, convert)

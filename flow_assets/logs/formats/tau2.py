@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flow_assets.logs.records import display_path
 from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     TaskId,
@@ -129,7 +130,7 @@ def stream_tau2(
         path, document, has_simulations, 'a tau2 Results object with a "simulations" list'
     )
     info = doc.get("info")
-    agent_id = agent_id_of(info, path.stem)
+    agent_id = agent_id_of(info, display_path(path.stem))
     # The agent's system prompt is built from the domain policy; tau2 files hold no system
     # message, so the policy is what identifies the prompt.
     file_facts: dict[str, Any] = {

@@ -1,0 +1,88 @@
+"""Names from users' files and flags: partition keys are injective and bounded, and ``--source``
+is one safe directory name inside the landing directory (attacks that used to escape it, collide
+or crash)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dagster import DagsterInstance
+
+from flow_assets.ingest import IngestUsageError, resolve_arguments
+from flow_assets.partitions import log_batches
+from sensors.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component
+from tests.conftest import SHARED_DATA, TAU_BENCH
+
+FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
+SHA = "0123456789abcdef" * 4
+
+
+def _key(relpath: str) -> str:
+    parts = relpath.split("/")
+    source = parts[0] if len(parts) > 1 else Path(parts[0]).stem
+    return batch_key(LandedFile(Path("/landing", relpath), relpath, source, 1, 1), SHA)
+
+
+def test_partition_keys_never_collapse_two_names_into_one():
+    names = [
+        "team a/x.json", "team-a/x.json", "team_a/x.json",  # used to collide on "team-a"
+        "a.b/c.json", "a/b.c.json",  # a dot inside a name must not read as the separator
+        "src/dir/file.json", "src/dir-file.json", "src/dir.file.json",
+        "ログ/x.json", "日志/x.json",  # non-Latin names used to collapse to "-"
+        "x.json", "x/x.json",
+        "long/" + "a" * 200 + "1.json", "long/" + "a" * 200 + "2.json",  # cut names used to collide
+    ]
+    keys = [_key(n) for n in names]
+    assert len(set(keys)) == len(keys), keys
+    assert _key("tau-bench/gpt-4o-airline.json") == f"tau-bench.gpt-4o-airline.{SHA[:12]}"  # plain names read as before
+    assert all(len(k) <= 2 * KEY_COMPONENT_LIMIT + 14 and "..." not in k for k in keys)
+
+
+def test_a_component_from_bytes_that_are_not_utf8_is_encoded_from_the_bytes():
+    name = os.fsdecode(b"caf\xe9")  # latin-1 on a UTF-8 file system: a surrogate escape in Python
+    assert key_component(name) == "caf~E9" and key_component("café") == "caf~C3~A9"
+
+
+def _ingest(tmp_path, *args):
+    cmd = [FLOWOPT, "ingest", *map(str, args), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
+           "--home", str(tmp_path / "home")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("source", ["/tmp/abs", "a/b", ".", "..", "tab\there", ".hidden", "x.tmp", "", "x" * 201])
+def test_a_source_that_is_not_one_safe_name_is_refused(source):
+    with pytest.raises(IngestUsageError) as info:
+        resolve_arguments([TAU_BENCH], source)
+    (problem,) = info.value.problems
+    assert problem.startswith("--source") and "one directory name inside the landing directory" in problem
+
+
+def test_a_source_that_would_escape_the_landing_directory_writes_nothing(tmp_path):
+    rc, out, err = _ingest(tmp_path, TAU_BENCH, "--source", "../../escaped")
+    assert rc == 2 and out == ""
+    assert "--source '../../escaped' holds a path separator" in err and "Traceback" not in err
+    assert not (tmp_path / "landing").exists() and not (tmp_path / "escaped").exists() and not (tmp_path / "home").exists()
+
+
+def test_sources_that_differ_only_in_unsafe_characters_are_two_batches(tmp_path):
+    for source in ("team a", "team-a"):
+        rc, out, err = _ingest(tmp_path, TAU_BENCH, "--source", source)
+        assert rc == 0, err[-2000:]
+    keys = DagsterInstance.local_temp(str(tmp_path / "home")).get_dynamic_partitions(log_batches.name)
+    assert sorted(k.split(".")[0] for k in keys) == ["team-a", "team~20a"]  # used to collide on one key
+
+
+def test_a_file_name_near_the_file_system_limit_is_ingested(tmp_path):
+    tau2 = SHARED_DATA / "tau2-bench" / "button-claude-opus-4-6_distyl-ai_2026-03-04" / "airline.json"
+    long_name = tmp_path / "logs" / ("r" * 247 + ".json")  # 252 bytes: name + ".tmp" used to pass 255
+    long_name.parent.mkdir()
+    long_name.write_bytes(tau2.read_bytes())
+    rc, out, err = _ingest(tmp_path, long_name)
+    assert rc == 0, err[-2000:]
+    (row,) = json.loads(out)["files"]
+    assert row["status"] == "ingested" and row["trajectories"] > 0
+    assert len(row["partition_key"]) < 100 and "~~" in row["partition_key"]
