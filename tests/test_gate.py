@@ -66,3 +66,18 @@ def test_finite_loss_and_kl_bound():
     assert check_kl(0.05, GateConfig(max_kl=0.1)).passed
     assert not check_kl(0.2, GateConfig(max_kl=0.1)).passed
     assert not check_kl(float("nan"), GateConfig()).passed
+
+
+def test_gate_results_carry_their_numbers_and_a_verdict_names_the_failed_ones():
+    from flow_assets.rl.gate import verdict
+
+    worse = compare_policies(_rows([0, 0, 1, 0], [1, 0, 1, 0]))
+    gain = check_gain(worse, GateConfig())
+    assert gain.metadata["gain"] == pytest.approx(-0.25) and gain.metadata["min_gain"] == 0.0
+    assert gain.metadata["mcnemar_p"] == pytest.approx(1.0) and gain.metadata["held_out_tasks"] == 4
+    assert (gain.metadata["candidate_success"], gain.metadata["champion_success"]) == (0.25, 0.5)
+    kl = check_kl(0.8, GateConfig(max_kl=0.5))
+    finite = check_finite_loss([0.1, 0.2], [1.0, 1.0])
+    assert finite.metadata == {"steps": 2, "non_finite_steps": 0}
+    assert verdict("v15", (gain, finite, kl)) == "keep v15 (blocked: gain -0.250 (min +0.000), McNemar p = 1; KL 0.8 > 0.5)"
+    assert verdict("v15", (check_gain(worse, GateConfig(min_gain=-1.0)), finite)) == "promote: the candidate replaces v15"

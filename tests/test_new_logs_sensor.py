@@ -181,3 +181,21 @@ def test_a_rewrite_that_keeps_size_and_mtime_is_still_a_new_batch(tmp_path, dags
     os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))  # size and mtime as before
     (request,) = _tick(defs, dagster_instance, first.cursor).run_requests
     assert request.partition_key.startswith("tau-bench.") and request.partition_key not in [r.partition_key for r in first.run_requests]
+
+
+def test_a_file_removed_between_listing_and_hashing_is_skipped_and_the_tick_goes_on(tmp_path, dagster_instance, monkeypatch):
+    import sensors.new_logs as module
+
+    landing, lake, defs = _setup(tmp_path)
+    listed = module.list_landed
+
+    def list_then_remove(directory):
+        files = listed(directory)
+        (landing / "tau-bench" / TAU_BENCH.name).unlink()  # a writer removes it while the tick runs
+        return files
+
+    monkeypatch.setattr(module, "list_landed", list_then_remove)
+    result = _tick(defs, dagster_instance)
+    (request,) = result.run_requests  # the FireAct file still became its batch
+    assert request.partition_key.startswith("fireact.")
+    assert TAU_BENCH.name not in (result.cursor or "")  # the vanished file is not remembered: a new file of that name is read

@@ -5,14 +5,18 @@ trainable policy, all through the sensors. Each test then runs rounds with its o
 """
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
 import pytest
-from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance, build_sensor_context, instance_for_test
+from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from flow_assets.definitions import build_definitions
 from flow_assets.local import execute_requests, run_job, tick_sensor
@@ -23,6 +27,7 @@ from resources.tasks import TaskSourceResource
 from tests.conftest import TAU_BENCH
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
 
 BASE = {"ops": {"base_policy": {"config": {"sft": {"steps": 300}, "sft_demonstrations": 300}}}}
 COLLECT = {"tasks_per_batch": 24, "group_size": 8}
@@ -50,7 +55,7 @@ class World:
         return tick.succeeded
 
     def collect(self) -> str:
-        assert self.run("collect_rollouts_job", run_config={"ops": {"collect_rollouts": {"config": COLLECT}}}).success
+        assert self.run("collect_rollouts_job", run_config={"ops": {"rollouts": {"config": COLLECT}}}).success
         (key,) = self.land_and_process()
         return key
 
@@ -129,16 +134,103 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
     assert world.registry.champion() == before
     mats = world.instance.fetch_materializations(AssetKey("promoted_adapter"), limit=100).records
     assert key not in {r.partition_key for r in mats}
+    # the UI says why, in numbers: the verdict on the report, the gain check's metadata
+    report = world.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("evaluation_report"), asset_partitions=[key]), limit=1
+    ).records[0]
+    assert report.asset_materialization.metadata["verdict"].value.startswith(f"keep {before['version']} (blocked: gain -")
+    check = world.instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [AssetCheckKey(AssetKey("evaluation_report"), "gain")]
+    )[AssetCheckKey(AssetKey("evaluation_report"), "gain")]
+    numbers = check.event.dagster_event.event_specific_data.metadata
+    assert numbers["gain"].value == pytest.approx(evaluation.report["sampled"]["gain"], abs=1e-6)
+    assert numbers["gain"].value < 0 and numbers["min_gain"].value == 0.0 and numbers["champion"].value == before["version"]
+
+
+def test_training_history_has_one_row_per_round_and_refreshes_after_each(world):
+    # two rounds finished above (one promoted, one blocked): the sensor asks for one refresh
+    assert len(tick_sensor(world.defs, world.instance, "training_history_sensor").run_requests) == 1
+    assert world.run("training_history_job").success
+    assert tick_sensor(world.defs, world.instance, "training_history_sensor").run_requests == []  # now current
+    record = world.instance.fetch_materializations(AssetKey("training_history"), limit=1).records[0]
+    meta = record.asset_materialization.metadata
+    assert meta["dagster/row_count"].value == 2
+    rows = [r.data for r in meta["history"].value.records]
+    first, second = rows
+    assert (first["round"], first["champion_before"], first["champion_after"], first["promoted"]) == (1, "v0", "v1", True)
+    assert (second["champion_before"], second["champion_after"], second["promoted"]) == ("v1", "v1", False)
+    assert second["verdict"].startswith("keep v1 (blocked: gain -")
+    _, evaluation = world.round_files(second["batch"])
+    sampled = evaluation.report["sampled"]
+    assert second["candidate_success"] == pytest.approx(sampled["candidate"]["success_rate"]["rate"])
+    assert second["gain"] == pytest.approx(sampled["gain"]) and 0 <= second["clip_fraction"] <= 1
+    # the chart has both policies of both rounds, and the latest numbers are plottable metadata
+    chart = meta["chart"].value
+    assert chart.count("cand.") == 2 and "promoted v1" in chart and "kept" in chart
+    assert meta["round"].value == 2 and meta["champion"].value == "v1" and meta["promotions"].value == 1
+    assert len(meta["vega_lite"].value["data"]["values"]) == 4
 
 
 def test_rollback_command_restores_the_previous_champion(world):
     assert world.registry.champion()["version"] == "v1"
     flowopt = str(Path(sys.executable).with_name("flowopt"))
-    done = subprocess.run([flowopt, "rollback", "--models", str(world.models), "--reason", "test"], capture_output=True, text=True)
+    done = subprocess.run(
+        [flowopt, "rollback", "--models", str(world.models), "--reason", "test", "--home", str(world.root / "home")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"previous_champion": "v1", "champion": "v0", "adapter_path": str(world.models / "adapters" / "v0")}
     assert world.registry.champion()["version"] == "v0"
     assert world.registry.load()["history"][-1]["action"] == "rollback"
+    # the `champion` asset's history is the registry's: registered v0, promoted v1, rolled back to v0
+    events = world.instance.fetch_materializations(AssetKey("champion"), limit=10, ascending=True).records
+    meta = [e.asset_materialization.metadata for e in events]
+    assert [(m["action"].value, m["version"].value) for m in meta] == [("register", "v0"), ("promote", "v1"), ("rollback", "v0")]
+    assert events[-1].run_id == "" and meta[-1]["reason"].value == "test" and "| v0 | rollback | v1 |" in meta[-1]["history"].value
+
+
+def test_a_daemon_started_afterwards_requests_nothing_already_done(world):
+    # the rounds above ran in process with this module's own cursor; a daemon starting now has no
+    # cursor, and must not re-train the promoted batch nor the blocked one
+    trained = {r.tags["dagster/partition"] for r in world.instance.get_runs() if r.job_name == "training_round_job"}
+    assert len(trained) == 2
+    assert tick_sensor(world.defs, world.instance, "training_round_sensor").run_requests == []
+    assert tick_sensor(world.defs, world.instance, "new_logs_sensor").run_requests == []
+    assert tick_sensor(world.defs, world.instance, "training_history_sensor").run_requests == []
+
+
+def test_a_real_daemon_started_afterwards_launches_nothing(world):
+    # `dagster-daemon run` on this instance and the repo's workspace, pointed at this world's lake,
+    # landing, models and agent: every sensor ticks, and no run is launched
+    home = world.root / "home"
+    if not (home / "dagster.yaml").exists():
+        shutil.copyfile(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        **os.environ, "DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(world.root / "lake"), "FLOWOPT_LANDING": str(world.root / "landing"),
+        "FLOWOPT_MODELS": str(world.models), "FLOWOPT_TASKS": "reasoning_gym", "FLOWOPT_SETTLE_SECONDS": "0",
+    }  # fmt: skip
+    runs_before = {r.run_id for r in world.instance.get_runs()}
+    sensors = {"new_logs_sensor", "training_round_sensor", "training_history_sensor"}
+    daemon = subprocess.Popen(
+        [str(Path(sys.executable).with_name("dagster-daemon")), "run", "-w", "workspace.yaml"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    ticks: dict[str, list] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and daemon.poll() is None:
+            states = world.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+            ticks = {s.instigator_name: world.instance.get_ticks(s.instigator_origin_id, s.selector_id) for s in states}
+            if sensors <= {name for name, t in ticks.items() if t}:
+                break
+            time.sleep(2)
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        output = daemon.communicate(timeout=60)[0].decode(errors="replace")
+    assert sensors <= {name for name, t in ticks.items() if t}, output[-3000:]
+    assert {t.status for name in sensors for t in ticks[name]} == {TickStatus.SKIPPED}, output[-3000:]
+    assert {r.run_id for r in world.instance.get_runs()} == runs_before
 
 
 def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tmp_path):
@@ -150,7 +242,7 @@ def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tm
     defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=TaskSourceResource(kind="calculator"))
     (tmp_path / "home").mkdir()
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
-        collect = {"ops": {"collect_rollouts": {"config": {"tasks_per_batch": 12, "group_size": 4}}}}
+        collect = {"ops": {"rollouts": {"config": {"tasks_per_batch": 12, "group_size": 4}}}}
         assert run_job(defs, instance, "collect_rollouts_job", run_config=collect).success
         tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
         (key,) = tick.succeeded
@@ -168,3 +260,29 @@ def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tm
     report = evaluation.report["sampled"]["candidate"]
     assert report["avg_llm_calls"]["mean"] > 1.5 and report["avg_tool_calls"]["mean"] > 0.5
     assert AdapterRegistry(root=str(models)).champion()["version"] == "v1"
+
+
+def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_count(world, tmp_path):
+    from resources.loop import TrainingLoop
+
+    config = tmp_path / "run-config.json"
+    config.write_text(json.dumps({"collect_rollouts_job": {"ops": {"rollouts": {"config": COLLECT}}}}))
+
+    def tick(rounds: int, models=None):
+        defs = build_definitions(
+            str(world.root / "lake"), str(world.root / "landing"), models_root=str(models or world.models),
+            tasks=TaskSourceResource(), loop=TrainingLoop(self_play_rounds=rounds, run_config_path=str(config)),
+        )  # fmt: skip
+        with build_sensor_context(instance=world.instance, resources=defs.resources) as ctx:
+            return defs.resolve_sensor_def("self_play_sensor")(ctx)
+
+    assert "self-play is off" in tick(0).skip_message
+    assert tick(2).skip_message == "done: 2 of 2 rounds of flowopt:spell_backward"  # the two rounds above
+    (request,) = tick(3).run_requests
+    assert request.job_name == "collect_rollouts_job" and request.run_config == {"ops": {"rollouts": {"config": COLLECT}}}
+    assert request.tags == {"flowopt/agent": "flowopt:spell_backward"}
+    (base,) = tick(3, models=tmp_path / "empty-models").run_requests  # no champion there yet
+    assert base.job_name == "base_policy_job"
+    # a collected batch whose round has not run yet: wait for it
+    key = world.collect()
+    assert tick(3).skip_message == f"waiting for the round of {key}"

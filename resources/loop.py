@@ -1,0 +1,54 @@
+"""The training loop's settings: self-play rounds and the run config sensors launch runs with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+#: the jobs whose runs the sensors launch, i.e. the keys a run-config file may have
+LOOP_JOBS = ("base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job")
+
+
+class TrainingLoop(ConfigurableResource):
+    """How the deployment's sensors drive training.
+
+    Attributes:
+        self_play_rounds: rounds ``self_play_sensor`` runs on its own: it builds the base policy
+            if there is no champion, then collects a batch of the champion's rollouts on the task
+            source whenever the previous batch's round has finished, until this many rounds are
+            done. 0 (the default): off; batches then come only from logs that land.
+        run_config_path: a JSON file ``{job name: run config}`` (keys from :data:`LOOP_JOBS`)
+            that the sensors attach to the runs they request, e.g. the gate's ``max_tasks`` or
+            the trainer's learning rate; ``None``: every job's defaults.
+    """
+
+    self_play_rounds: int = Field(0, description="rounds self_play_sensor runs on its own (0: off)")
+    run_config_path: str | None = Field(None, description="JSON file {job name: run config} the sensors launch runs with")
+
+    def run_config(self, job_name: str) -> dict[str, Any]:
+        """The run config for ``job_name`` from :attr:`run_config_path` (``{}`` when none).
+
+        Raises:
+            ValueError: the file is not a JSON object of known job names to objects (names the
+                file and the key).
+            OSError: the file cannot be read.
+        """
+        if not self.run_config_path:
+            return {}
+        path = Path(self.run_config_path)
+        try:
+            content = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from exc
+        if not isinstance(content, dict):
+            raise ValueError(f"{path}: expected an object {{job name: run config}}, got {type(content).__name__}")
+        for key, value in content.items():
+            if key not in LOOP_JOBS:
+                raise ValueError(f"{path}: unknown job {key!r} (known: {', '.join(LOOP_JOBS)})")
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: the run config of {key!r} must be an object")
+        return content.get(job_name, {})

@@ -1,0 +1,140 @@
+"""``self_play_sensor``: the training loop on the agent's own task source, driven by the daemon.
+
+For a task source with a verifier (the built-in calculator agent, spell_backward, a JSONL task
+file), the loop needs no logs from outside: the champion's agents work on train tasks (the
+``rollouts`` asset), the batch lands, ``new_logs_sensor`` and ``training_round_sensor`` take it
+from there, and when that round has finished the next batch is collected from the champion it
+left. This sensor starts each step of that loop, one at a time:
+
+1. no champion in the registry: request ``base_policy_job``;
+2. a run of the loop is queued or running, or the agent's latest batch has not finished its
+   round: wait;
+3. fewer than ``TrainingLoop.self_play_rounds`` rounds done: request ``collect_rollouts_job``.
+
+Off by default (``self_play_rounds`` 0). Every decision reads the instance (runs, partitions), not
+a cursor, so a daemon restarted mid-loop goes on where the loop was. Runs carry the tag
+``flowopt/agent`` and the run config of :class:`~resources.loop.TrainingLoop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dagster import DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
+
+from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_round_job
+from flow_assets.recovery import PARTITION_NAME_TAG
+from flow_assets.rounds import landing_source
+from resources.loop import TrainingLoop
+from resources.registry import AdapterRegistry
+from resources.tasks import TaskSourceResource
+from sensors.landing import key_component
+from sensors.settings import sensor_interval
+from sensors.training import failed_data_checks
+
+AGENT_TAG = "flowopt/agent"
+IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
+#: collections in a row that may fail before the loop stops asking (a broken setup, not bad luck)
+MAX_FAILED_COLLECTIONS = 3
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """Where the self-play loop of one agent stands, from the instance.
+
+    Attributes:
+        batches: the agent's log batches (partitions whose key starts with its landing source).
+        rounds_done: batches whose training round finished (promoted, blocked or failed).
+        pending: batches still on their way (data plane or round not finished, or a collected
+            file not yet registered by ``new_logs_sensor``).
+        in_flight: runs of the loop's jobs queued or running.
+        collections: runs of ``collect_rollouts_job`` for the agent; failed_in_a_row: how many of
+            the latest ones failed.
+    """
+
+    batches: tuple[str, ...]
+    rounds_done: int
+    pending: tuple[str, ...]
+    in_flight: int
+    collections: int
+    failed_in_a_row: int
+
+
+def loop_state(instance, agent_id: str) -> LoopState:
+    """The :class:`LoopState` of ``agent_id`` on ``instance``."""
+    prefix = key_component(landing_source(agent_id)) + "."
+    batches = tuple(k for k in instance.get_dynamic_partitions("log_batches") if k.startswith(prefix))
+    trained = {
+        r.tags.get(PARTITION_NAME_TAG) for r in instance.get_runs(RunsFilter(job_name=training_round_job.name, statuses=FINISHED))
+    }
+    dead = {
+        r.tags.get(PARTITION_NAME_TAG)
+        for r in instance.get_runs(RunsFilter(job_name=log_batch_job.name, statuses=[DagsterRunStatus.FAILURE]))
+    }
+    pending = []
+    for key in batches:
+        if key in trained:
+            continue
+        if key in dead and not instance.get_runs(RunsFilter(job_name=log_batch_job.name, statuses=[DagsterRunStatus.SUCCESS], tags={PARTITION_NAME_TAG: key}), limit=1):
+            continue  # its data plane failed: no round will come
+        if failed_data_checks(instance, key):
+            continue
+        pending.append(key)
+    collections = instance.get_runs(RunsFilter(job_name=collect_rollouts_job.name, tags={AGENT_TAG: agent_id}))
+    succeeded = [r for r in collections if r.status == DagsterRunStatus.SUCCESS]
+    failed_in_a_row = 0
+    for run in collections:  # newest first
+        if run.status != DagsterRunStatus.FAILURE:
+            break
+        failed_in_a_row += 1
+    unregistered = max(0, len(succeeded) - len(batches))
+    in_flight = len(instance.get_runs(RunsFilter(statuses=IN_FLIGHT)))
+    return LoopState(
+        batches=batches,
+        rounds_done=sum(1 for k in batches if k in trained),
+        pending=tuple(pending) + ("(landed, not yet registered)",) * unregistered,
+        in_flight=in_flight,
+        collections=len(collections),
+        failed_in_a_row=failed_in_a_row,
+    )
+
+
+@sensor(
+    jobs=[base_policy_job, collect_rollouts_job],
+    minimum_interval_seconds=sensor_interval(),
+    default_status=DefaultSensorStatus.RUNNING,
+    description=(
+        "Self-play (off unless FLOWOPT_SELF_PLAY_ROUNDS is set): builds the base policy if there is no champion, then "
+        "collects a batch of the champion's rollouts whenever the previous batch's training round has finished, until "
+        "that many rounds are done. One step at a time; nothing while any run is queued or running."
+    ),
+)
+def self_play_sensor(
+    context: SensorEvaluationContext, loop: TrainingLoop, registry: AdapterRegistry, tasks: TaskSourceResource
+):
+    """One step of the self-play loop (module docstring)."""
+    if loop.self_play_rounds <= 0:
+        return SkipReason("self-play is off (TrainingLoop.self_play_rounds = 0)")
+    agent = tasks.agent_id
+    state = loop_state(context.instance, agent)
+    if state.in_flight:
+        return SkipReason(f"{state.in_flight} run(s) queued or running")
+    tags = {AGENT_TAG: agent}
+    if registry.champion() is None:
+        request = RunRequest(run_key=f"self-play:{agent}:base", job_name=base_policy_job.name, run_config=loop.run_config(base_policy_job.name), tags=tags)
+        return SensorResult(run_requests=[request])
+    if state.rounds_done >= loop.self_play_rounds:
+        return SkipReason(f"done: {state.rounds_done} of {loop.self_play_rounds} rounds of {agent}")
+    if state.pending:
+        return SkipReason(f"waiting for the round of {state.pending[0]}")
+    if state.failed_in_a_row >= MAX_FAILED_COLLECTIONS:
+        return SkipReason(f"the last {state.failed_in_a_row} collections of {agent} failed; see their runs")
+    request = RunRequest(
+        run_key=f"self-play:{agent}:collect-{state.collections + 1}",
+        job_name=collect_rollouts_job.name,
+        run_config=loop.run_config(collect_rollouts_job.name),
+        tags=tags,
+    )
+    context.log.info(f"round {state.rounds_done + 1} of {loop.self_play_rounds}: collecting a batch of {agent}'s rollouts")
+    return SensorResult(run_requests=[request])

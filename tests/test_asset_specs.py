@@ -1,0 +1,65 @@
+"""A snapshot of what the Dagster UI shows of the code location: the lineage (every asset's
+upstream), the checks and whether they block, and plain-text descriptions. A change to any of it
+is a change users see, so it must be made here on purpose."""
+
+import pytest
+
+from flow_assets.definitions import build_definitions
+
+LINEAGE = {
+    "base_policy": [],
+    "champion": ["base_policy"],
+    "rollouts": ["champion"],
+    "landed_logs": ["rollouts"],
+    "interaction_logs": ["landed_logs"],
+    "trajectories": ["interaction_logs"],
+    "rewards": ["trajectories"],
+    "advantages": ["rewards"],
+    "policy_checkpoint": ["advantages", "champion"],
+    "evaluation_report": ["policy_checkpoint"],
+    "promoted_adapter": ["evaluation_report"],
+    "training_history": ["promoted_adapter"],
+}
+CHECKS = {
+    ("interaction_logs", "records_conserved"),
+    ("advantages", "advantages_finite"),
+    ("evaluation_report", "gain"),
+    ("evaluation_report", "finite_loss"),
+    ("evaluation_report", "kl_bound"),
+}
+EXTERNAL = {"champion", "landed_logs"}  # Dagster records them, it does not compute them
+
+
+@pytest.fixture(scope="module")
+def defs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("specs")
+    return build_definitions(str(root / "lake"), str(root / "landing"), models_root=str(root / "models"))
+
+
+def test_lineage_is_the_loop_champion_rollouts_logs_round(defs):
+    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
+    assert {k: sorted(d.asset_key.to_user_string() for d in s.deps) for k, s in specs.items()} == LINEAGE
+    graph = defs.resolve_asset_graph()
+    assert {k.to_user_string() for k in graph.external_asset_keys} == EXTERNAL
+    assert {s.group_name for k, s in specs.items() if k in ("interaction_logs", "advantages", "landed_logs")} == {"data_plane"}
+    assert {s.group_name for k, s in specs.items() if k in ("base_policy", "champion", "rollouts", "promoted_adapter")} == {"training"}
+
+
+def test_every_check_blocks_and_says_what_it_checks(defs):
+    graph = defs.resolve_asset_graph()
+    found = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
+    assert found == CHECKS
+    for key in graph.asset_check_keys:
+        spec = graph.get_check_spec(key)
+        assert spec.blocking, key
+        assert spec.description and len(spec.description) > 40, key
+
+
+def test_descriptions_are_plain_text_where_the_ui_shows_them(defs):
+    repo = defs.get_repository_def()
+    described = {s.key.to_user_string(): s.description for s in defs.resolve_all_asset_specs()}
+    described |= {f"job {j.name}": j.description for j in repo.get_all_jobs() if not j.name.startswith("__")}
+    described |= {f"sensor {s.name}": s.description for s in repo.sensor_defs}
+    for name, text in described.items():
+        assert text and text.strip(), f"{name} has no description"
+        assert "``" not in text, f"{name}: reStructuredText markup shows literally in the UI: {text!r}"
