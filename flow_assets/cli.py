@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, ingest PATH..., serve, models, registry, rollback, schema."""
+Commands: demo, demo-real, ingest PATH..., serve, models, registry, rollback, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -188,6 +188,24 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="dagster")
 
 
+def _ui_tour(args: argparse.Namespace) -> int:
+    from flow_assets.demo import DemoState
+    from flow_assets.ui_tour import TourError, tour
+
+    state = DemoState.from_env(args.state)
+    env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models)}
+    try:
+        result = tour(env, Path(args.out))
+    except TourError as exc:
+        print(f"flowopt ui-tour: {exc}", file=sys.stderr)
+        return 2
+    for name, proof in result.found.items():
+        print(f"{'found' if proof else 'MISSING':8} {name}" + (f": {proof[:120]}" if proof and proof != name else ""))
+    print("screenshots: " + ", ".join(str(p) for p in result.screenshots))
+    required = [m for m in result.missing if m != "a blocked round's reason"]  # a run may promote every round
+    return 1 if required else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowopt`` console script; returns the process exit code."""
     _quiet_libraries()
@@ -204,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--state", default=".demo", help="directory of the demo's own state (default .demo)")
     demo.add_argument("--reset", action="store_true", help="also delete state the demo did not create")
     demo.set_defaults(fn=_demo)
+    ui = sub.add_parser(
+        "ui-tour",
+        help="open the Dagster UI of the demo (or DAGSTER_HOME / FLOWOPT_*) in headless Chromium, check it, save screenshots",
+        description="Starts dagster-webserver, visits the sensors, runs, training_history, the gate checks and the lineage "
+        "with Playwright and the system's Chromium, prints what it found and saves ui-*.png. Needs the ui extra and a "
+        "Chromium binary. Exit code 1: something a user must find is missing; 2: no browser or webserver.",
+    )
+    ui.add_argument("--state", default=".demo", help="the demo's state directory (default .demo)")
+    ui.add_argument("--out", default="docs/images", help="directory for the screenshots (default docs/images)")
+    ui.set_defaults(fn=_ui_tour)
     real = sub.add_parser("demo-real", help="train SmolLM2-135M-Instruct as a tool-using agent (needs the smollm2 extra)")
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")

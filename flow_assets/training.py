@@ -351,7 +351,7 @@ def training_history(
             columns=[TableColumn(name, _TABLE_TYPES.get(history.schema[name], "string"), description=text) for name, text in HISTORY_COLUMNS.items()]
         ),
         "chart": MetadataValue.md(history_chart(history)),
-        "history": preview_table(history, n=200),
+        "history": preview_table(history.with_columns(pl.col(pl.Float64).round(4)), n=200),
         "vega_lite": MetadataValue.json(spec),
         "vega_lite_file": MetadataValue.path(str(spec_path)),
     }

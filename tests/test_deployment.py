@@ -1,6 +1,7 @@
 """The demo's deployment path on a real `dagster-daemon`: its sensors build the base policy, run a
-training round end to end and refresh the history; every run is launched by a sensor, and a
-daemon started afterwards launches nothing."""
+training round end to end (blocked by the gate here, to see a refusal go through the loop) and
+refresh the history; every run is launched by a sensor, a daemon started afterwards launches
+nothing, and the Dagster UI shows all of it to a headless browser."""
 
 import time
 
@@ -10,41 +11,55 @@ from dagster import AssetKey, DagsterRunStatus
 from flow_assets.demo import DemoState, Phase, phase_env, run_phase
 from flow_assets.deployment import Daemon
 from flow_assets.local import local_instance
+from flow_assets.ui_tour import find_chromium, tour
 from resources.lake import TrajectoryLake
 
 pytestmark = pytest.mark.slow
 
+# a KL bound no trained candidate meets: the round's gate must refuse it
+PHASE = dict(
+    title="spell_backward", kind="reasoning_gym", rounds=1,
+    base={"sft": {"steps": 40}, "sft_demonstrations": 200},
+    collect={"tasks_per_batch": 8, "group_size": 4},
+    train=None,
+    evaluation={"max_tasks": 24, "modes": ["sampled"], "gate": {"min_gain": -1.0, "max_kl": 0.0}},
+)  # fmt: skip
 
-def test_the_daemons_sensors_run_a_round_and_a_later_daemon_requests_nothing(tmp_path):
-    state = DemoState(tmp_path / "home", tmp_path / "lake", tmp_path / "landing", tmp_path / "models")
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deployment")
+    state = DemoState(root / "home", root / "lake", root / "landing", root / "models")
     state.prepare()
     instance = local_instance(state.home)
-    phase = Phase(
-        "spell_backward", "reasoning_gym", state.models, rounds=1,
-        base={"sft": {"steps": 40}, "sft_demonstrations": 200},
-        collect={"tasks_per_batch": 8, "group_size": 4},
-        train=None,
-        evaluation={"max_tasks": 24, "modes": ["sampled"], "gate": {"min_gain": -1.0, "max_kl": 1e9}},
-    )  # fmt: skip
+    phase = Phase(models=state.models, **PHASE)
     out = run_phase(state, instance, TrajectoryLake(root=str(state.lake)), phase, timeout=300)
+    return state, instance, phase, out
+
+
+def test_every_run_is_launched_by_a_sensor_and_a_blocked_round_ends_the_loop(deployment):
+    state, instance, phase, out = deployment
     (line,) = out["lines"]
-    assert line["champion"] == "v1" and line["promoted"] and line["mean_llm_calls"] == 1.0
+    assert line["champion"] == "v0" and not line["promoted"]
+    assert line["verdict"].startswith("keep v0 (blocked: KL ") and line["mean_llm_calls"] == 1.0
     runs = {r.job_name: r for r in instance.get_runs()}
-    assert set(runs) == {"base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job"}
-    assert {r.status for r in instance.get_runs()} == {DagsterRunStatus.SUCCESS}
-    sensors = {name: r.tags.get("dagster/sensor_name") for name, r in runs.items()}
-    assert sensors == {
+    assert {name: r.tags.get("dagster/sensor_name") for name, r in runs.items()} == {
         "base_policy_job": "self_play_sensor",
         "collect_rollouts_job": "self_play_sensor",
         "log_batch_job": "new_logs_sensor",
         "training_round_job": "training_round_sensor",
         "training_history_job": "training_history_sensor",
     }
+    # the blocked round is the one failed run; the history was refreshed after it all the same
+    assert {n: r.status for n, r in runs.items() if r.status != DagsterRunStatus.SUCCESS} == {"training_round_job": DagsterRunStatus.FAILURE}
+    history = instance.get_latest_materialization_event(AssetKey("training_history"))
+    assert history.asset_materialization.metadata["dagster/row_count"].value == 1
     # the run config came from the file the sensors read
     assert runs["training_round_job"].run_config["ops"]["evaluation_report"]["config"]["max_tasks"] == 24
-    assert instance.get_latest_materialization_event(AssetKey("training_history")) is not None
 
-    # the same deployment restarted (self-play still on, one round wanted): nothing to do
+
+def test_the_same_deployment_restarted_requests_nothing(deployment):
+    state, instance, phase, _ = deployment
     before = {r.run_id for r in instance.get_runs()}
     config = state.home / "run-config.reasoning_gym.json"
     with Daemon(phase_env(state, phase, config), state.home / "daemon-2.log") as daemon:
@@ -57,3 +72,13 @@ def test_the_daemons_sensors_run_a_round_and_a_later_daemon_requests_nothing(tmp
             time.sleep(1)
     assert "done: 1 of 1 rounds" in text, text[-3000:]
     assert {r.run_id for r in instance.get_runs()} == before
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="needs a Chromium binary (apt-get install chromium)")
+def test_the_ui_shows_sensor_runs_ticks_the_history_chart_and_the_blocked_rounds_reason(deployment, tmp_path):
+    state, *_ = deployment
+    env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models)}
+    result = tour(env, tmp_path)
+    assert result.missing == [], result.found
+    assert "KL" in result.found["a blocked round's reason"] and "bound 0.0" in result.found["a blocked round's reason"]
+    assert len(result.screenshots) == 5 and all(p.stat().st_size > 10_000 for p in result.screenshots)
