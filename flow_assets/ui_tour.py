@@ -8,7 +8,7 @@ default), then visits, with Playwright driving the system's Chromium:
 - Runs: runs launched by each sensor (the "Launched by" column);
 - ``training_history``: the round table and the text chart of success per round;
 - ``evaluation_report``'s checks: each gate check, and for a blocked round the failed check's
-  reason (the latest failed check execution);
+  reason (the latest execution, else the latest failed one in the check's execution history);
 - the lineage around ``policy_checkpoint`` (champion -> rollouts -> logs -> round).
 
 Each page is saved as ``<out>/ui-<name>.png``. Needs the ``ui`` extra (``pip install -e
@@ -153,9 +153,18 @@ def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000) -> TourResul
                 page.get_by_text(check, exact=True).first.click()
                 page.wait_for_timeout(1500)
                 text = page.inner_text("body")
-                if re.search(r"Evaluation result\s+Failed", text):
+                if re.search(r"Evaluation result\s+Failed", text):  # the latest round was blocked
                     start = text.find("Latest execution")
                     blocked = " ".join(text[start : start + 400].split()) if start >= 0 else check
+                    shoot("gate-blocked")
+                    break
+                page.get_by_text("Execution history", exact=True).first.click()  # an earlier round's
+                page.wait_for_timeout(2000)
+                text = page.inner_text("body")
+                history = text[text.find("Execution history") :]
+                failed = re.search(r"\bFailed\b", history)
+                if failed:
+                    blocked = " ".join(history[failed.start() : failed.start() + 300].split())
                     shoot("gate-blocked")
                     break
             result.found["a blocked round's reason"] = blocked
