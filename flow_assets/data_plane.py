@@ -44,6 +44,7 @@ from flow_assets.logs.tables import (
 )
 from flow_assets.metadata import histogram_markdown, preview_table
 from flow_assets.partitions import log_batches
+from flow_assets.versions import DATA_OWNERS, code_version
 from flow_assets.rl.advantages import AdvantageConfig, group_advantages
 from flow_assets.rl.credit import CreditConfig, step_advantages
 from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table
@@ -86,6 +87,7 @@ landed_logs = AssetSpec(
     "landed_logs",
     group_name=GROUP,
     deps=["rollouts"],
+    owners=DATA_OWNERS,
     description="Log files in the landing directory (FLOWOPT_LANDING), written by agents' own logging, by the "
     "gateway (flowopt serve), by flowopt ingest and by rollouts; new_logs_sensor makes each settled file one "
     "log batch partition.",
@@ -97,6 +99,8 @@ landed_logs = AssetSpec(
     group_name=GROUP,
     kinds={"parquet"},
     deps=[landed_logs],
+    owners=DATA_OWNERS,
+    code_version=code_version("flow_assets.logs"),
     check_specs=[
         AssetCheckSpec(
             "records_conserved",
@@ -168,7 +172,8 @@ def interaction_logs(
     )
 
 
-@asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[interaction_logs])
+@asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[interaction_logs], owners=DATA_OWNERS,
+       code_version=code_version("flow_assets.logs.tables", "flow_assets.logs.schema"))
 def trajectories(context: AssetExecutionContext, lake: TrajectoryLake) -> MaterializeResult:
     """Canonical tables trajectories (one row per trajectory) and steps (one per step)."""
     key = context.partition_key
@@ -215,7 +220,8 @@ class AdvantagesConfig(AdvantageRunConfig):
     credit: CreditRunConfig = Field(default_factory=CreditRunConfig, description="how a trajectory's advantage is shared among its steps")
 
 
-@asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[trajectories])
+@asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[trajectories], owners=DATA_OWNERS,
+       code_version=code_version("flow_assets.rl.rewards", "flow_assets.rl.reward_fns"))
 def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: TrajectoryLake) -> MaterializeResult:
     """Reward components per trajectory (outcome, tool success, verify, step penalty, custom)
     and their total reward."""
@@ -251,6 +257,8 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     group_name=GROUP,
     kinds={"parquet"},
     deps=[rewards],
+    owners=DATA_OWNERS,
+    code_version=code_version("flow_assets.rl.advantages", "flow_assets.rl.credit"),
     check_specs=[
         AssetCheckSpec(
             "advantages_finite",

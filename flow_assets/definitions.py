@@ -22,6 +22,7 @@ from flow_assets.training import training_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from resources.loop import TrainingLoop
+from resources.tracking import ExperimentTracking
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
@@ -39,6 +40,7 @@ def build_resources(
     base_model_path: str | None = None,
     settle_seconds: float | None = None,
     loop: TrainingLoop | None = None,
+    tracking: ExperimentTracking | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
@@ -47,7 +49,8 @@ def build_resources(
     ``base_model_path`` a local model to train instead of the tiny one; ``settle_seconds`` 0 for a
     caller that lands files only by rename and ticks the sensor at once (the demos, tests);
     ``loop`` the self-play and run-config settings (default: ``FLOWOPT_SELF_PLAY_ROUNDS``,
-    ``FLOWOPT_RUN_CONFIG``).
+    ``FLOWOPT_RUN_CONFIG``); ``tracking`` where training metrics are exported besides Dagster
+    (default: ``FLOWOPT_TRACKING``, empty = off).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
@@ -60,6 +63,7 @@ def build_resources(
             self_play_rounds=int(os.environ.get("FLOWOPT_SELF_PLAY_ROUNDS", "0")),
             run_config_path=os.environ.get("FLOWOPT_RUN_CONFIG") or None,
         ),
+        "tracking": tracking or ExperimentTracking(target=os.environ.get("FLOWOPT_TRACKING", "")),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
@@ -78,6 +82,7 @@ def build_definitions(
     base_model_path: str | None = None,
     settle_seconds: float | None = None,
     loop: TrainingLoop | None = None,
+    tracking: ExperimentTracking | None = None,
 ) -> Definitions:
     """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
     base models and settle times (:func:`build_resources`)."""
@@ -88,7 +93,7 @@ def build_definitions(
         assets=[landed_logs, *data_plane_assets, *training_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job],
         sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking),
     )
 
 

@@ -411,11 +411,11 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
 
     from flow_assets.deployment import Daemon, finished_runs, runs_in_flight, wait_until
     from flow_assets.rounds import landing_source
-    from sensors.landing import key_component
+    from sensors.landing import key_component, key_source
     from sensors.self_play import AGENT_TAG
 
     agent_id = TaskSourceResource(kind=phase.kind).agent_id
-    prefix = key_component(landing_source(agent_id)) + "."
+    source = key_component(landing_source(agent_id))
     config_path = state.home / f"run-config.{phase.kind}.json"
     config_path.write_text(json.dumps(phase.run_config(), indent=2) + "\n")
     started = time.perf_counter()
@@ -424,7 +424,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
         print(f"  dagster-daemon started (pid {daemon.process.pid}, log {daemon.log_path}); its sensors drive the runs", flush=True)
         if real_files:
             def real_batches_done():
-                runs = [r for r in finished_runs(instance, "log_batch_job") if not r.tags.get("dagster/partition", "").startswith("flowopt-")]
+                runs = [r for r in finished_runs(instance, "log_batch_job") if not key_source(r.tags.get("dagster/partition", "")).startswith("flowopt-")]
                 return runs if len(runs) >= real_files else None
 
             runs = wait_until(real_batches_done, daemon, "batches of the real logs", timeout)
@@ -453,7 +453,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
         since = record.end_time or time.time()
         for k in range(1, phase.rounds + 1):
             def round_done(k=k):
-                runs = [r for r in finished_runs(instance, "training_round_job") if r.tags.get("dagster/partition", "").startswith(prefix)]
+                runs = [r for r in finished_runs(instance, "training_round_job") if key_source(r.tags.get("dagster/partition", "")) == source]
                 return runs[k - 1] if len(runs) >= k else None
 
             run = wait_until(round_done, daemon, f"round {k} of {agent_id}", timeout)

@@ -198,7 +198,8 @@ def collect_batch(
     config: CollectConfig | None = None,
 ) -> CollectionResult:
     """Run the champion's agents on a batch of train tasks through an in-process gateway (real
-    HTTP) and land the batch as ``<landing>/<source>/rollouts-<n>-<id>.jsonl``.
+    HTTP) and land the batch as ``<landing>/<source>/r<round>-<id>.jsonl`` (round = batches landed
+    before it + 1; its partition key then starts with ``r<round>``, see ``sensors.landing.batch_key``).
 
     Raises:
         RoundError: no champion.
@@ -213,7 +214,7 @@ def collect_batch(
     train = source.tasks("train")
     rng = np.random.default_rng(seed)
     chosen = [train[i] for i in rng.choice(len(train), size=min(config.tasks_per_batch, len(train)), replace=False)]
-    batch = f"rollouts-{batch_number:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
+    batch = f"r{batch_number + 1:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
     harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
     started = time.perf_counter()
     with store.gateway(landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:

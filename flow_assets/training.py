@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from dagster import (
+    AssetObservation,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
@@ -34,7 +35,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from flow_assets.champion import CHAMPION_DESCRIPTION, champion_materialization
+from flow_assets.champion import CHAMPION, CHAMPION_DESCRIPTION, champion_materialization
 from flow_assets.config import dagster_config
 from flow_assets.data_plane import advantages
 from flow_assets.history import COLUMNS as HISTORY_COLUMNS
@@ -44,8 +45,11 @@ from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
 from flow_assets.policy.sft import SFTConfig
 from flow_assets.policy.tiny_model import TinyModelConfig
-from flow_assets.policy.trainer import GRPOTrainerConfig
+from flow_assets.policy.trainer import GRPOTrainerConfig, config_to_dict
+from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
+from flow_assets.versions import TRAINING_OWNERS, code_version
+from sensors.landing import key_round
 from flow_assets.rounds import (
     CollectConfig,
     build_base_policy,
@@ -64,8 +68,13 @@ from resources.lake import TrajectoryLake
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from resources.tracking import ExperimentTracking
 
 GROUP = "training"
+#: StepMetrics fields exported per optimizer step (as ``train/<name>``)
+TRACKED_STEP_METRICS = ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl", "num_tokens")
+#: run tag with the gate's one-line verdict ("promote: ..." or "keep v15 (blocked: ...)")
+GATE_TAG = "flowopt/gate"
 POOL = "training"  # dagster.yaml: pools default_limit 1, granularity run -> one round at a time
 
 TinyModelRunConfig = dagster_config(TinyModelConfig, "TinyModelRunConfig")
@@ -84,7 +93,7 @@ class BasePolicyConfig(Config):
     sft_demonstrations: int = Field(1000, description="train-split tasks whose demonstrations are the SFT data")
 
 
-@asset(group_name=GROUP, kinds={"pytorch"})
+@asset(group_name=GROUP, kinds={"pytorch"}, owners=TRAINING_OWNERS, code_version=code_version("flow_assets.policy", "flow_assets.rounds"))
 def base_policy(
     context: AssetExecutionContext,
     config: BasePolicyConfig,
@@ -122,10 +131,11 @@ def base_policy(
 
 
 # -- champion and rollout collection --------------------------------------------------------------
-champion = AssetSpec("champion", group_name=GROUP, deps=[base_policy], kinds={"json"}, description=CHAMPION_DESCRIPTION)
+champion = AssetSpec("champion", group_name=GROUP, deps=[base_policy], kinds={"json"}, description=CHAMPION_DESCRIPTION, owners=TRAINING_OWNERS)
 
 
-@asset(group_name=GROUP, kinds={"pytorch"}, deps=[champion])
+@asset(group_name=GROUP, kinds={"pytorch"}, deps=[champion], owners=TRAINING_OWNERS,
+       code_version=code_version("flow_assets.agents", "flow_assets.gateway", "flow_assets.policy", "flow_assets.rounds"))
 def rollouts(
     context: AssetExecutionContext,
     config: CollectRunConfig,
@@ -171,7 +181,8 @@ class TrainConfig(TrainerRunConfig):
     kl_samples: int | None = Field(256, description="turn rows the gate's KL to the behaviour policy is estimated on (null: all)")
 
 
-@asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages, champion], pool=POOL)
+@asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages, champion], pool=POOL,
+       owners=TRAINING_OWNERS, code_version=code_version("flow_assets.rl.grpo_loss", "flow_assets.policy", "flow_assets.rounds"))
 def policy_checkpoint(
     context: AssetExecutionContext,
     config: TrainConfig,
@@ -179,18 +190,23 @@ def policy_checkpoint(
     policy: PolicyModel,
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
+    tracking: ExperimentTracking,
 ) -> MaterializeResult:
     """A candidate LoRA adapter: the champion trained on this batch's turn rows with the clipped
-    GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest."""
+    GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
+    Each step is logged to the run log and, when set, to the experiment tracker."""
     key = context.partition_key
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
     trainer = config.to_pure(output_dir="")
+    tracker = tracking.open(tasks.agent_id, key)
+    tracker.log_params(flat_params({"trainer": config_to_dict(trainer), "negate_advantages": config.negate_advantages}))
 
     def log_step(m) -> None:
         context.log.info(
             f"step {m.step}: loss {m.loss:.4f}, grad norm {m.grad_norm:.3f}, clip fraction {m.clip_fraction:.3f}, "
             f"mean ratio {m.mean_ratio:.4f}, KL {m.kl:.4g}, {m.num_samples} samples / {m.num_tokens} tokens"
         )
+        tracker.log_metrics({f"train/{name}": getattr(m, name) for name in TRACKED_STEP_METRICS}, step=m.step)
 
     try:
         summary, steps = train_candidate(
@@ -198,6 +214,8 @@ def policy_checkpoint(
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc
+    finally:
+        tracker.close()
     frame = pl.DataFrame([vars(s) for s in steps]) if steps else pl.DataFrame()
     lake.write_partition("training_steps", key, frame)
     last = steps[-1] if steps else None
@@ -244,6 +262,9 @@ GATE_CHECKS = {
     kinds={"pytorch"},
     deps=[policy_checkpoint],
     pool=POOL,
+    owners=TRAINING_OWNERS,
+    code_version=code_version("flow_assets.rl.evaluation", "flow_assets.rl.eval_stats", "flow_assets.rl.gate", "flow_assets.agents",
+                              "flow_assets.gateway", "flow_assets.policy", "flow_assets.rounds"),
     check_specs=[
         AssetCheckSpec(name, asset="evaluation_report", blocking=True, description=text) for name, text in GATE_CHECKS.items()
     ],
@@ -254,6 +275,7 @@ def evaluation_report(
     lake: TrajectoryLake,
     policy: PolicyModel,
     tasks: TaskSourceResource,
+    tracking: ExperimentTracking,
 ) -> MaterializeResult:
     """Candidate vs champion agents on the same held-out tasks through the gateway, greedy and
     sampled: success rate, mean reward, tokens, LLM and tool calls with 95% intervals, McNemar and
@@ -265,6 +287,22 @@ def evaluation_report(
     rows, result = evaluate_candidate(store, tasks.source(), tasks.agent_fn(), tasks.agent_id, summary, config.to_pure())
     lake.write_partition("evaluations", key, rows)
     report, metric = result.report, result.gate_config.metric
+    decision = verdict(summary.parent_version, result.gate)
+    # the run list shows tags: a blocked round's run is failed by its blocking check (Dagster's
+    # design), and this tag says why in the list itself; the champion's page records the decision
+    context.instance.add_run_tags(context.run_id, {GATE_TAG: decision[:200]})
+    blocked = [r for r in result.gate if not r.passed]
+    _track_evaluation(context, tracking, tasks.agent_id, summary.final_step, report, metric, not blocked)
+    if blocked:
+        context.log.warning(f"gate: {decision}")
+        context.log_event(
+            AssetObservation(
+                asset_key=CHAMPION,
+                description=decision,
+                metadata={"version": summary.parent_version, "action": "kept", "candidate_batch": key,
+                          "blocked_by": ", ".join(r.name for r in blocked), "verdict": decision},
+            )
+        )  # fmt: skip
     flat = {
         f"{mode}_{name}_success": MetadataValue.float(report[mode][name]["success_rate"]["rate"])
         for mode in report for name in ("candidate", "champion")
@@ -275,7 +313,7 @@ def evaluation_report(
             "held_out_tasks": report[metric]["n_tasks"] if metric in report else 0,
             "gain": MetadataValue.float(report[metric]["gain"] if metric in report else float("nan")),
             "mcnemar_p": MetadataValue.float(report[metric]["mcnemar"]["p_value"] if metric in report else float("nan")),
-            "verdict": verdict(summary.parent_version, result.gate),
+            "verdict": decision,
             "report": MetadataValue.json(report),
             "generation_seconds": MetadataValue.float(result.generation_seconds),
         },
@@ -292,6 +330,27 @@ def evaluation_report(
     )
 
 
+def _track_evaluation(context, tracking: ExperimentTracking, agent_id: str, last_step: int, report: dict, metric: str, promote: bool) -> None:
+    # the round's own run gets the held-out results at its last step; the "rounds" run one point
+    # per round (the round number from a rollout batch's key, else the evaluations so far + 1)
+    key = context.partition_key
+    numbers = {f"eval/{mode}_{name}_success": report[mode][name]["success_rate"]["rate"] for mode in report for name in ("candidate", "champion")}
+    if metric in report:
+        numbers |= {"eval/gain": report[metric]["gain"], "eval/mcnemar_p": report[metric]["mcnemar"]["p_value"]}
+    tracker = tracking.open(agent_id, key)
+    try:
+        tracker.log_metrics(numbers, step=last_step)
+    finally:
+        tracker.close()
+    done = context.instance.get_materialized_partitions(context.assets_def.key) - {key}
+    number = key_round(key) or len(done) + 1
+    rounds = tracking.open(agent_id, "rounds")
+    try:
+        rounds.log_metrics({k.replace("eval/", "round/"): v for k, v in numbers.items()} | {"round/promoted": float(promote)}, step=number)
+    finally:
+        rounds.close()
+
+
 def _check_numbers(numbers: dict) -> dict:
     # ints stay ints; floats typed so the check's Plots tab draws them; NaN (no evaluation) skipped
     out = {}
@@ -305,7 +364,8 @@ def _check_numbers(numbers: dict) -> dict:
     return out
 
 
-@asset(partitions_def=log_batches, group_name=GROUP, deps=[evaluation_report], pool=POOL)
+@asset(partitions_def=log_batches, group_name=GROUP, deps=[evaluation_report], pool=POOL, owners=TRAINING_OWNERS,
+       code_version=code_version("flow_assets.rl.gate", "flow_assets.rounds", "resources.registry"))
 def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, registry: AdapterRegistry) -> MaterializeResult:
     """The candidate becomes the champion: re-checks the gate on the stored results, refuses a
     candidate trained from a champion that has since changed, then writes the registry
@@ -327,7 +387,7 @@ def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, regist
     )
 
 
-@asset(group_name=GROUP, deps=[promoted_adapter], kinds={"polars"})
+@asset(group_name=GROUP, deps=[promoted_adapter], kinds={"polars"}, owners=TRAINING_OWNERS, code_version=code_version("flow_assets.history"))
 def training_history(
     context: AssetExecutionContext, policy: PolicyModel, registry: AdapterRegistry, lake: TrajectoryLake
 ) -> MaterializeResult:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from stat import S_ISREG
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,19 @@ def key_component(text: str, limit: int = KEY_COMPONENT_LIMIT) -> str:
     return out
 
 
+#: a training round's rollout batch: ``r<round>-<rest>`` directly in its agent's source folder
+_ROUND_STEM = re.compile(r"r(\d{4,})-([A-Za-z0-9_-]+)")
+
+
 def batch_key(landed: LandedFile, sha256: str) -> str:
     """Partition key of a landed file: ``<source>.<path inside the source, no extension>.<first 12
     hex of sha256>`` (``<source>.<sha>`` for a file directly in the landing directory), each name
     through :func:`key_component`.
+
+    A training round's rollout batch (``<source>/r0018-<rest>.jsonl``, as ``collect_batch`` names
+    it) gets ``r0018.<source>.<rest>.<sha>``: the round comes first, because the Dagster UI cuts
+    long keys in the middle and the round is what a reader looks for. The four components tell it
+    apart from every other key (two or three components), so keys stay injective.
 
     The hash makes the key follow the content: the same bytes give the same key (idempotent
     across sensor ticks and restarts); a rewritten file gives a new key, i.e. a new batch. The
@@ -119,4 +129,22 @@ def batch_key(landed: LandedFile, sha256: str) -> str:
     stem = inside.with_suffix("").as_posix()
     if len(parts) == 1 and stem == landed.source:
         return f"{key_component(landed.source)}.{sha256[:12]}"
+    round_stem = _ROUND_STEM.fullmatch(stem) if len(parts) == 2 else None
+    if round_stem is not None:
+        return f"r{round_stem[1]}.{key_component(landed.source)}.{round_stem[2]}.{sha256[:12]}"
     return f"{key_component(landed.source)}.{key_component(stem)}.{sha256[:12]}"
+
+
+def key_source(key: str) -> str:
+    """The (encoded) source component of a partition key made by :func:`batch_key`
+    (``r0018.flowopt-calculator.v3-ab.0123456789ab`` -> ``flowopt-calculator``,
+    ``tau-bench.gpt-4o.0123456789ab`` -> ``tau-bench``)."""
+    return key.split(".")[1] if key_round(key) is not None else key.split(".")[0]
+
+
+def key_round(key: str) -> int | None:
+    """The round number of a rollout batch's key (``r0018.…`` -> 18), else ``None``."""
+    parts = key.split(".")
+    if len(parts) == 4 and re.fullmatch(r"r\d{4,}", parts[0]):
+        return int(parts[0][1:])
+    return None

@@ -28,7 +28,7 @@ from flow_assets.rounds import landing_source
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
-from sensors.landing import key_component
+from sensors.landing import key_component, key_source
 from sensors.settings import sensor_interval
 from sensors.training import failed_data_checks
 
@@ -63,8 +63,8 @@ class LoopState:
 
 def loop_state(instance, agent_id: str) -> LoopState:
     """The :class:`LoopState` of ``agent_id`` on ``instance``."""
-    prefix = key_component(landing_source(agent_id)) + "."
-    batches = tuple(k for k in instance.get_dynamic_partitions("log_batches") if k.startswith(prefix))
+    source = key_component(landing_source(agent_id))
+    batches = tuple(k for k in instance.get_dynamic_partitions("log_batches") if key_source(k) == source)
     trained = {
         r.tags.get(PARTITION_NAME_TAG) for r in instance.get_runs(RunsFilter(job_name=training_round_job.name, statuses=FINISHED))
     }

@@ -63,3 +63,33 @@ def test_descriptions_are_plain_text_where_the_ui_shows_them(defs):
     for name, text in described.items():
         assert text and text.strip(), f"{name} has no description"
         assert "``" not in text, f"{name}: reStructuredText markup shows literally in the UI: {text!r}"
+
+
+def test_every_asset_has_an_owner_and_computed_assets_a_code_version_that_follows_their_source(defs, tmp_path):
+    from flow_assets.versions import code_version
+
+    graph = defs.resolve_asset_graph()
+    for spec in defs.resolve_all_asset_specs():
+        assert spec.owners and all(o.startswith("team:") for o in spec.owners), spec.key
+        computed = spec.key not in graph.external_asset_keys
+        assert (spec.code_version is not None) == computed, spec.key
+        if computed:
+            assert len(spec.code_version) == 12 and int(spec.code_version, 16) >= 0, spec.key
+    versions = {s.key.to_user_string(): s.code_version for s in defs.resolve_all_asset_specs()}
+    assert versions["advantages"] == code_version("flow_assets.rl.credit", "flow_assets.rl.advantages")  # order-free
+    assert versions["advantages"] != versions["rewards"]
+    # a changed source gives a changed version
+    module = tmp_path / "flowopt_version_probe.py"
+    module.write_text("x = 1\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        before = code_version("flowopt_version_probe")
+        from flow_assets import versions as v
+
+        v._module_files.cache_clear()
+        module.write_text("x = 2\n")
+        assert code_version("flowopt_version_probe") != before
+    finally:
+        sys.path.remove(str(tmp_path))

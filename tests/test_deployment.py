@@ -52,6 +52,7 @@ def test_every_run_is_launched_by_a_sensor_and_a_blocked_round_ends_the_loop(dep
     }
     # the blocked round is the one failed run; the history was refreshed after it all the same
     assert {n: r.status for n, r in runs.items() if r.status != DagsterRunStatus.SUCCESS} == {"training_round_job": DagsterRunStatus.FAILURE}
+    assert runs["training_round_job"].tags["flowopt/gate"] == line["verdict"][:200]  # why, in the run list
     history = instance.get_latest_materialization_event(AssetKey("training_history"))
     assert history.asset_materialization.metadata["dagster/row_count"].value == 1
     # the run config came from the file the sensors read

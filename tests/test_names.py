@@ -13,7 +13,7 @@ from dagster import DagsterInstance
 
 from flow_assets.ingest import IngestUsageError, resolve_arguments
 from flow_assets.partitions import log_batches
-from sensors.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component
+from sensors.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component, key_source
 from tests.conftest import SHARED_DATA, TAU_BENCH
 
 FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
@@ -34,11 +34,22 @@ def test_partition_keys_never_collapse_two_names_into_one():
         "ログ/x.json", "日志/x.json",  # non-Latin names used to collapse to "-"
         "x.json", "x/x.json",
         "long/" + "a" * 200 + "1.json", "long/" + "a" * 200 + "2.json",  # cut names used to collide
+        "flowopt-calc/r0001-v0-ab.jsonl", "r0001-v0-ab/flowopt-calc.jsonl", "r0001/flowopt-calc.v0-ab.jsonl",  # round keys
+        "flowopt-calc/r0001-v0-ab/x.jsonl", "flowopt-calc/r001-v0-ab.jsonl",
     ]
     keys = [_key(n) for n in names]
     assert len(set(keys)) == len(keys), keys
     assert _key("tau-bench/gpt-4o-airline.json") == f"tau-bench.gpt-4o-airline.{SHA[:12]}"  # plain names read as before
     assert all(len(k) <= 2 * KEY_COMPONENT_LIMIT + 14 and "..." not in k for k in keys)
+
+
+def test_a_rounds_batch_key_starts_with_the_round_and_names_its_source():
+    key = _key("flowopt-calculator/r0018-v3-0a1b2c3d4e.jsonl")
+    assert key == f"r0018.flowopt-calculator.v3-0a1b2c3d4e.{SHA[:12]}"  # the UI cuts long keys in the middle
+    assert key_source(key) == "flowopt-calculator"
+    assert key_source(_key("tau-bench/gpt-4o-airline.json")) == "tau-bench"
+    assert key_source(_key("r0018/x.json")) == "r0018"  # a source named like a round is still a source
+    assert key_source(_key("x.json")) == "x"
 
 
 def test_a_component_from_bytes_that_are_not_utf8_is_encoded_from_the_bytes():

@@ -24,6 +24,7 @@ from flow_assets.rounds import EvaluationResult, RoundSummary, read_evaluation, 
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from resources.tracking import ExperimentTracking
 from tests.conftest import TAU_BENCH
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,8 @@ class World:
         self.root, self.instance = root, instance
         self.models = root / "models"
         self.defs = build_definitions(
-            str(root / "lake"), str(root / "landing"), models_root=str(self.models), tasks=TaskSourceResource()
+            str(root / "lake"), str(root / "landing"), models_root=str(self.models), tasks=TaskSourceResource(),
+            tracking=ExperimentTracking(target=f"tensorboard:{root / 'tensorboard'}"),  # off by default; on here to test it
         )
         self.registry = AdapterRegistry(root=str(self.models))
         self.cursor = None
@@ -104,7 +106,7 @@ def test_real_logs_stop_after_advantages(world):
 
 def test_collected_batch_lands_with_behaviour_logprobs_and_gets_its_round(world):
     key = world.collect()
-    assert key.startswith("flowopt-spell_backward.rollouts-0000-v0-")
+    assert key.startswith("r0001.flowopt-spell_backward.v0-")
     assert world.training_requests() == [key]
     assert world.training_requests() == []  # decided once
     result = world.train(key, evaluation=OPEN_GATE)
@@ -126,6 +128,15 @@ def test_collected_batch_lands_with_behaviour_logprobs_and_gets_its_round(world)
     keys = [AssetCheckKey(AssetKey("evaluation_report"), name) for name in ("gain", "finite_loss", "kl_bound")]
     executions = world.instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
     assert set(executions) == set(keys)
+    # the experiment tracker got every optimizer step, the held-out result and the round's point
+    from tests.test_tracking import scalars
+
+    runs = world.root / "tensorboard" / "flowopt-spell_backward"
+    series = scalars(runs / key)
+    assert [step for step, _ in series["train/loss"]] == list(range(1, summary.final_step + 1))
+    assert [v for _, v in series["train/loss"]] == pytest.approx(summary.losses, rel=1e-5)
+    assert series["eval/sampled_candidate_success"] == [(summary.final_step, pytest.approx(report["sampled"]["candidate"]["success_rate"]["rate"]))]
+    assert scalars(runs / "rounds")["round/promoted"] == [(1, 1.0)]
 
 
 def test_worse_candidate_is_blocked_and_champion_unchanged(world):
@@ -148,6 +159,12 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
         AssetRecordsFilter(asset_key=AssetKey("evaluation_report"), asset_partitions=[key]), limit=1
     ).records[0]
     assert report.asset_materialization.metadata["verdict"].value.startswith(f"keep {before['version']} (blocked: gain -")
+    # the run list says it too (the run is failed by the blocking check), and the champion's page
+    run = world.instance.get_run_by_id(report.run_id)
+    assert run.tags["flowopt/gate"] == report.asset_materialization.metadata["verdict"].value[:200]
+    kept = world.instance.fetch_observations(AssetKey("champion"), limit=1).records[0]
+    assert kept.run_id == report.run_id and kept.event_log_entry.asset_observation.description.startswith(f"keep {before['version']} (blocked")
+    assert kept.event_log_entry.asset_observation.metadata["candidate_batch"].value == key
     check = world.instance.event_log_storage.get_latest_asset_check_execution_by_key(
         [AssetCheckKey(AssetKey("evaluation_report"), "gain")]
     )[AssetCheckKey(AssetKey("evaluation_report"), "gain")]
