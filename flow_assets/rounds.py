@@ -54,6 +54,9 @@ class Registry(Protocol):
     def load(self) -> dict[str, Any]: ...
     def set_candidate(self, adapter_path: str, batch: str, parent_version: str) -> None: ...
     def promote(self, version: str, adapter_path: str, metrics: dict, by: str, reason: str, action: str = "promote") -> dict: ...
+    def next_version(self) -> str: ...
+    def challenger(self) -> dict[str, Any] | None: ...
+    def start_challenger(self, version: str, adapter_path: str, metrics: dict, share: float, by: str, reason: str) -> dict: ...
 
 
 class RoundError(RuntimeError):
@@ -566,21 +569,26 @@ def evaluate_candidate(
 @dataclass(frozen=True)
 class Promotion:
     """A promotion: the new champion ``version`` (from ``previous``), its adapter, the metrics and
-    the reason recorded in the registry."""
+    the reason recorded in the registry; ``challenger``: it entered live A/B against ``previous``
+    instead of replacing it."""
 
     version: str
     previous: str
     adapter_path: str
     metrics: dict[str, Any]
     reason: str
+    challenger: bool = False
 
 
-def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: str) -> Promotion:
-    """Make the round's candidate the champion, after re-checking its stored gate.
+def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: str, live_ab_share: float = 0.0) -> Promotion:
+    """Make the round's candidate the champion, after re-checking its stored gate; with
+    ``live_ab_share`` > 0 it becomes the challenger instead, served to that share of live
+    sessions until the live A/B decides (``ab_test_report``).
 
     Raises:
-        RoundError: a gate check failed, or the champion changed since the candidate's parent
-            (a candidate trained from an old champion must not replace a newer one).
+        RoundError: a gate check failed, the champion changed since the candidate's parent
+            (a candidate trained from an old champion must not replace a newer one), or (live
+            A/B) another challenger is still being tested.
         FileNotFoundError: the round was not trained or evaluated.
     """
     run_dir = store.round_dir(batch)
@@ -594,7 +602,9 @@ def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: st
         raise RoundError(
             f"candidate of batch {batch} was trained from {summary.parent_version}, but the champion is now {champion['version']}"
         )
-    version = f"v{sum(1 for e in registry.load()['history'] if e['action'] == 'promote') + 1}"
+    if live_ab_share > 0 and registry.challenger():
+        raise RoundError(f"{registry.challenger()['version']} is still in live A/B against {champion['version']}; this candidate waits for its decision")
+    version = registry.next_version()
     target = store.adapter_dir(version)
     if target.exists():
         shutil.rmtree(target)
@@ -609,8 +619,11 @@ def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: st
         "kl_to_behaviour": summary.kl_to_behaviour,
     }
     reason = "; ".join(r.reason for r in results)
-    registry.promote(version, str(target), metrics, by=by, reason=reason)
-    return Promotion(version, champion["version"], str(target), metrics, reason)
+    if live_ab_share > 0:
+        registry.start_challenger(version, str(target), metrics, live_ab_share, by=by, reason=f"passed the held-out gate ({reason}); live A/B at {live_ab_share:.0%}")
+    else:
+        registry.promote(version, str(target), metrics, by=by, reason=reason)
+    return Promotion(version, champion["version"], str(target), metrics, reason, challenger=live_ab_share > 0)
 
 
 def finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -40,7 +40,8 @@ class AdapterRegistry(ConfigurableResource):
     """Champion and history of the policy's LoRA adapters.
 
     A version is a string (``"v0"``, ``"v1"``, ...) naming an adapter directory. History entries
-    are dicts with ``action`` (``register``/``promote``/``rollback``), ``version``, ``previous``,
+    are dicts with ``action`` (``register``/``promote``/``rollback``, and for live A/B
+    ``challenge``/``withdraw``), ``version``, ``previous``,
     ``adapter_path``, ``metrics``, ``by`` (user or sensor/run that did it), ``reason`` and
     ``at`` (UNIX seconds).
     """
@@ -96,7 +97,8 @@ class AdapterRegistry(ConfigurableResource):
 
     def rebuild(self) -> dict[str, Any]:
         """Replace ``registry.json`` by the registry the event files in :attr:`history_dir`
-        describe (the champion is the version of the last event; the candidate is not kept).
+        describe (the champion is the version of the last register/promote/rollback event, the
+        challenger that of an open ``challenge``; the candidate is not kept).
         The damaged file, if any, is kept beside it as ``registry.json.damaged``.
 
         Returns:
@@ -116,7 +118,14 @@ class AdapterRegistry(ConfigurableResource):
                 except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
                     raise RegistryError(f"{file}: unreadable history event ({error})") from None
                 content["history"].append(event)
-                content["champion"] = {k: event[k] for k in ("version", "adapter_path", "metrics")}
+                action = event.get("action")
+                if action == "challenge":
+                    content["challenger"] = {k: event.get(k) for k in ("version", "adapter_path", "metrics", "share")} | {
+                        "champion": event.get("previous"), "since": event.get("at")}
+                elif action == "withdraw" or (content.get("challenger") or {}).get("version") == event.get("version"):
+                    content.pop("challenger", None)
+                if action != "challenge" and action != "withdraw":
+                    content["champion"] = {k: event[k] for k in ("version", "adapter_path", "metrics")}
             if self.path.exists() or self.path.is_symlink():
                 os.replace(self.path, str(self.path) + ".damaged")
             self._write(content)
@@ -142,6 +151,81 @@ class AdapterRegistry(ConfigurableResource):
             content = self.load()
             content["candidate"] = {"adapter_path": adapter_path, "batch": batch, "parent_version": parent_version, "at": time.time()}
             self._write(content)
+
+    def next_version(self) -> str:
+        """The next unused version name: ``v<n+1>`` for the largest ``v<n>`` in the history
+        (champions and challengers alike), ``v1`` for a registry with only ``v0`` or nothing."""
+        numbers = [int(e["version"][1:]) for e in self.load()["history"] if str(e.get("version", "")).removeprefix("v").isdigit()]
+        return f"v{max(numbers, default=0) + 1}"
+
+    def challenger(self) -> dict[str, Any] | None:
+        """The adapter in live A/B against the champion (``version``, ``adapter_path``,
+        ``metrics``, ``share``, ``champion``, ``since``), or ``None``."""
+        return self.load().get("challenger")
+
+    def start_challenger(self, version: str, adapter_path: str, metrics: dict[str, Any], share: float, by: str, reason: str) -> dict[str, Any]:
+        """Put ``version`` in live A/B: the gateway then serves it to ``share`` of the sessions
+        that ask for ``model="policy"`` (the champion serves the rest). Recorded as a
+        ``challenge`` event.
+
+        Returns:
+            The challenger entry.
+
+        Raises:
+            RegistryError: no champion, a challenger already running, or ``share`` not in (0, 1).
+        """
+        if not 0.0 < share < 1.0:
+            raise RegistryError(f"challenger share must be in (0, 1), got {share}")
+        with self._locked():
+            content = self.load()
+            if content["champion"] is None:
+                raise RegistryError(f"{self.path}: no champion to challenge")
+            if content.get("challenger"):
+                raise RegistryError(f"{self.path}: {content['challenger']['version']} is already in live A/B; conclude it first")
+            entry = {"version": version, "adapter_path": adapter_path, "metrics": metrics, "share": share,
+                     "champion": content["champion"]["version"], "since": time.time()}  # fmt: skip
+            content["challenger"] = entry
+            self._append_event(content, {"action": "challenge", "version": version, "previous": entry["champion"],
+                                         "adapter_path": adapter_path, "metrics": metrics, "share": share, "by": by,
+                                         "reason": reason, "at": entry["since"]})  # fmt: skip
+            self._write(content)
+            return entry
+
+    def conclude_challenger(self, decision: str, by: str, reason: str, evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+        """End the live A/B: ``decision="promote"`` makes the challenger the champion (a
+        ``promote`` event), ``"rollback"`` withdraws it and keeps the champion (a ``withdraw``
+        event). Either way the evidence (the test's numbers) and who decided are in the event.
+
+        Returns:
+            The champion entry after the decision.
+
+        Raises:
+            RegistryError: no challenger, an unknown decision, or the champion changed since the
+                challenger started (someone promoted or rolled back by hand: the A/B compared
+                against another adapter, so its verdict no longer applies).
+        """
+        if decision not in ("promote", "rollback"):
+            raise RegistryError(f"decision must be 'promote' or 'rollback', got {decision!r}")
+        with self._locked():
+            content = self.load()
+            challenger = content.get("challenger")
+            if not challenger:
+                raise RegistryError(f"{self.path}: no challenger in live A/B")
+            champion = content["champion"]
+            if champion is None or champion["version"] != challenger["champion"]:
+                raise RegistryError(
+                    f"{self.path}: the champion is {champion and champion['version']}, not {challenger['champion']} "
+                    f"that {challenger['version']} was tested against; conclude by hand (flowopt promote / rollback)"
+                )
+            del content["challenger"]
+            metrics = {**challenger["metrics"], **({"live_ab": evidence} if evidence else {})}
+            if decision == "promote":
+                return self._promote(content, challenger["version"], challenger["adapter_path"], metrics, by, reason, action="promote")
+            self._append_event(content, {"action": "withdraw", "version": challenger["version"], "previous": champion["version"],
+                                         "adapter_path": challenger["adapter_path"], "metrics": metrics, "by": by,
+                                         "reason": reason, "at": time.time()})  # fmt: skip
+            self._write(content)
+            return champion
 
     def promote(
         self, version: str, adapter_path: str, metrics: dict[str, Any], by: str, reason: str, action: str = "promote"
@@ -193,13 +277,13 @@ class AdapterRegistry(ConfigurableResource):
         if current is None:
             raise RegistryError(f"{self.path}: no champion to roll back")
         made_by = next(
-            (e for e in reversed(content["history"]) if e["version"] == current["version"] and e["action"] != "rollback"),
+            (e for e in reversed(content["history"]) if e["version"] == current["version"] and e["action"] in ("register", "promote")),
             None,
         )
         prev_version = made_by["previous"] if made_by else None
         if prev_version is None:
             raise RegistryError(f"{self.path}: champion {current['version']} has no previous champion")
-        prev = next(e for e in reversed(content["history"]) if e["version"] == prev_version and e["action"] != "rollback")
+        prev = next(e for e in reversed(content["history"]) if e["version"] == prev_version and e["action"] in ("register", "promote"))
         if not Path(prev["adapter_path"]).exists():
             raise RegistryError(
                 f"{self.path}: cannot roll back to {prev_version}: its adapter {prev['adapter_path']} is gone; champion stays {current['version']}"

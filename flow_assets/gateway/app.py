@@ -13,6 +13,11 @@ Routes (all JSON; errors in OpenAI's shape, never a stack trace):
     POST /batches/{name}/close              land an open batch now (``.tmp`` renamed)
     GET  /health                            counters
 
+Live A/B: while the registry has a challenger, ``model="policy"`` is served by the challenger
+for its share of sessions (``X-Session-ID`` header, else the request's ``user``, else the
+rollout id; a call with none of them gets the champion) and by the champion otherwise; every
+response says which in ``X-Flowopt-Adapter-Version`` and every captured turn records it.
+
 A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
 is rendered with the policy's chat template, sampled by the dynamic batcher, its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
@@ -207,14 +212,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, x_agent_id: str | None = Header(None)):
-        return await _chat(body, x_agent_id)
+    async def chat(body: ChatCompletionRequest, x_agent_id: str | None = Header(None), x_session_id: str | None = Header(None)):
+        return await _chat(body, x_agent_id, x_session_id)
 
     @app.post("/rollouts/{rollout_id}/v1/chat/completions")
-    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest):
-        return await _chat(body, rollout_id)
+    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest, x_session_id: str | None = Header(None)):
+        return await _chat(body, rollout_id, x_session_id)
 
-    async def _chat(req: ChatCompletionRequest, rollout_id: str | None):
+    async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None):
         started = time.perf_counter()
         if req.stream:
             return _error(400, "stream=true is not supported by the flowopt gateway", param="stream")
@@ -226,7 +231,9 @@ def create_app(gateway: Gateway) -> FastAPI:
                 return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
         name = settings.model if settings and settings.model else req.model
         try:
-            ref = gateway.resolver.resolve(name)
+            # the live A/B's unit is the session: X-Session-ID, else OpenAI's `user`, else the
+            # rollout, so every turn of one conversation is served by the same adapter
+            ref = gateway.resolver.resolve(name, session or req.user or rollout_id)
         except UnknownModelError as exc:
             return _error(404, str(exc), param="model", code="model_not_found")
         temperature = settings.temperature if settings and settings.temperature is not None else req.temperature

@@ -16,6 +16,7 @@ Model names (the ``model`` field of a request) resolve through :class:`AdapterRe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Mapping
@@ -46,6 +47,16 @@ class AdapterRef:
     path: str
 
 
+def in_challenger_share(session: str, challenger: Mapping) -> bool:
+    """Whether live session ``session`` is served by ``challenger`` (a registry challenger entry
+    with ``version`` and ``share``): the first 8 bytes of sha256(version + NUL + session) as a
+    fraction of 2^64 below ``share``. Stable for a session for the whole A/B (every turn of a
+    conversation gets the same adapter), independent across challengers (a new A/B draws new
+    sessions), and uniform, so the challenger's share of sessions is ``share`` in expectation."""
+    digest = hashlib.sha256(f"{challenger['version']}\0{session}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < float(challenger["share"])
+
+
 class AdapterResolver:
     """Model name -> adapter, from the registry file (re-read when it changes) and ``extra``.
 
@@ -74,14 +85,19 @@ class AdapterResolver:
         """Every model name that resolves now, in a stable order."""
         registry = self._registry()
         names = ["policy", "champion"] if registry.get("champion") else []
+        if registry.get("challenger"):
+            names.append("challenger")
         if registry.get("candidate"):
             names.append("candidate")
         versions = {e["version"] for e in registry.get("history", [])}
         names += sorted(versions, key=lambda v: (len(v), v))
         return list(dict.fromkeys([*self.extra, *names]))
 
-    def resolve(self, name: str) -> AdapterRef:
-        """The adapter ``name`` refers to.
+    def resolve(self, name: str, session: str | None = None) -> AdapterRef:
+        """The adapter ``name`` refers to. ``policy`` is the champion, or, while a challenger is
+        in live A/B, the challenger for the sessions :func:`in_challenger_share` puts in its
+        share (``session``: the caller's session key; ``None`` is never split, it gets the
+        champion). ``champion`` / ``challenger`` name each side explicitly.
 
         Raises:
             UnknownModelError: no such name (no champion yet, no candidate, unknown version).
@@ -89,6 +105,9 @@ class AdapterResolver:
         if name in self.extra:
             return self.extra[name]
         registry = self._registry()
+        challenger = registry.get("challenger")
+        if challenger and (name == "challenger" or (name == "policy" and session is not None and in_challenger_share(session, challenger))):
+            return AdapterRef(challenger["version"], challenger["adapter_path"])
         if name in ("policy", "champion") and registry.get("champion"):
             champ = registry["champion"]
             return AdapterRef(champ["version"], champ["adapter_path"])

@@ -1,0 +1,100 @@
+"""Live A/B plumbing: the registry's challenger and the gateway's traffic split by session, over
+real HTTP on the real tiny model."""
+
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+
+from flow_assets.gateway.engine import in_challenger_share
+from flow_assets.logs.schema import Trajectory
+from flow_assets.policy.store import PolicyStore
+from resources.registry import AdapterRegistry, RegistryError
+
+
+def _registry_with_v1(tmp_path) -> AdapterRegistry:
+    registry = AdapterRegistry(root=str(tmp_path / "models"))
+    for version in ("v0", "v1", "v2"):
+        (tmp_path / "models" / version).mkdir(parents=True)
+    registry.promote("v0", str(tmp_path / "models" / "v0"), {}, by="test", reason="base", action="register")
+    registry.promote("v1", str(tmp_path / "models" / "v1"), {}, by="test", reason="round 1")
+    return registry
+
+
+def test_a_challenger_is_promoted_or_withdrawn_with_its_evidence_and_survives_a_rebuild(tmp_path):
+    registry = _registry_with_v1(tmp_path)
+    assert registry.next_version() == "v2"
+    registry.start_challenger("v2", str(tmp_path / "models" / "v2"), {"gain": 0.1}, 0.1, by="run x", reason="passed")
+    assert registry.next_version() == "v3"  # a challenger's version is taken even before it wins
+    with pytest.raises(RegistryError, match="already in live A/B"):
+        registry.start_challenger("v3", "/nowhere", {}, 0.1, by="run y", reason="passed")
+    assert registry.champion()["version"] == "v1" and registry.challenger()["champion"] == "v1"
+    # the registry file is lost: the event files give back the champion and the open challenger
+    registry.path.unlink()
+    registry.rebuild()
+    assert registry.champion()["version"] == "v1" and registry.challenger()["version"] == "v2"
+    evidence = {"decision": "rollback", "p_value": 0.01, "n_champion": 900, "n_challenger": 100}
+    assert registry.conclude_challenger("rollback", by="ab_monitor_sensor", reason="worse", evidence=evidence)["version"] == "v1"
+    last = registry.load()["history"][-1]
+    assert (last["action"], last["version"], last["previous"], last["by"]) == ("withdraw", "v2", "v1", "ab_monitor_sensor")
+    assert last["metrics"]["live_ab"] == evidence and registry.challenger() is None
+    # a withdrawn challenger is never a rollback target; the champion's predecessor still is
+    assert registry.rollback(by="me")["version"] == "v0"
+    with pytest.raises(RegistryError, match="no challenger"):
+        registry.conclude_challenger("promote", by="x", reason="y")
+
+
+def test_a_champion_changed_by_hand_voids_the_ab_verdict(tmp_path):
+    registry = _registry_with_v1(tmp_path)
+    registry.start_challenger("v2", str(tmp_path / "models" / "v2"), {}, 0.5, by="run", reason="passed")
+    registry.rollback(by="me")  # the champion the challenger was tested against is gone
+    with pytest.raises(RegistryError, match="not v1 that v2 was tested against"):
+        registry.conclude_challenger("promote", by="ab_monitor_sensor", reason="better")
+    assert registry.champion()["version"] == "v0"
+
+
+def test_the_session_split_is_stable_uniform_and_new_for_each_challenger():
+    sessions = [f"user-{i}" for i in range(20_000)]
+    first = np.array([in_challenger_share(s, {"version": "v2", "share": 0.1}) for s in sessions])
+    again = np.array([in_challenger_share(s, {"version": "v2", "share": 0.1}) for s in sessions])
+    other = np.array([in_challenger_share(s, {"version": "v3", "share": 0.1}) for s in sessions])
+    assert (first == again).all()
+    assert abs(first.mean() - 0.1) < 4 * np.sqrt(0.1 * 0.9 / len(sessions))  # 4 standard errors
+    assert abs((first & other).mean() - 0.01) < 0.005  # independent draws: 10% x 10%
+
+
+def test_the_gateway_serves_policy_from_both_sides_by_session_and_records_which(fresh_policy_dir, tmp_path):
+    root = tmp_path / "policy"
+    shutil.copytree(fresh_policy_dir, root)
+    registry = AdapterRegistry(root=str(root))
+    champion = registry.champion()
+    registry.start_challenger("v1", champion["adapter_path"], {}, 0.3, by="test", reason="split")
+    sessions = [f"s{i}" for i in range(60)]
+    served: dict[str, set[str]] = {s: set() for s in sessions}
+    with PolicyStore(str(root)).gateway(tmp_path / "landing") as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert "challenger" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+        for turn in range(2):
+            for s in sessions:
+                r = client.post("/v1/chat/completions", headers={"X-Session-ID": s},
+                                json={"model": "policy", "messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2})  # fmt: skip
+                assert r.status_code == 200, r.text
+                served[s].add(r.headers["X-Flowopt-Adapter-Version"])
+        by_user = client.post("/v1/chat/completions", json={"model": "policy", "user": "s1", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2})
+        anonymous = client.post("/v1/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2})
+        # a captured rollout is its own session: every turn on one side, and the trajectory says which
+        assert client.post("/rollouts", json={"rollout_id": "r-7", "task_id": "t", "batch": "live-0001"}).status_code == 200
+        for _ in range(2):
+            client.post("/rollouts/r-7/v1/chat/completions", json={"model": "policy", "messages": [{"role": "user", "content": "2+2"}], "max_tokens": 2})
+        client.post("/rollouts/r-7/finish", json={"outcome": {"success": True}})
+        client.post("/batches/live-0001/close")
+    assert all(len(v) == 1 for v in served.values())  # sticky: both turns of a session on one side
+    expected = {s: "v1" if in_challenger_share(s, {"version": "v1", "share": 0.3}) else "v0" for s in sessions}
+    assert {s: v.pop() for s, v in served.items()} == expected
+    assert 5 <= sum(v == "v1" for v in expected.values()) <= 30
+    assert by_user.headers["X-Flowopt-Adapter-Version"] == expected["s1"]
+    assert anonymous.headers["X-Flowopt-Adapter-Version"] == "v0"  # no session key: never split
+    (landed,) = (tmp_path / "landing").rglob("live-0001*.jsonl")
+    (trajectory,) = [Trajectory.model_validate_json(line) for line in landed.read_text().splitlines()]
+    side = "v1" if in_challenger_share("r-7", {"version": "v1", "share": 0.3}) else "v0"
+    assert trajectory.adapter_version == side
