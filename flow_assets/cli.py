@@ -1,9 +1,10 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, ingest PATH..., serve, models, registry, rollback, schema, ui-tour."""
+Commands: demo, demo-real, ingest PATH..., serve, models, registry, promote, rollback, schema, ui-tour."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -139,21 +140,46 @@ def _rollback(args: argparse.Namespace) -> int:
 
     registry = AdapterRegistry(root=args.models)
     try:
-        before = registry.champion()
-        after = registry.rollback(by=args.by, reason=args.reason)
+        before, challenger = registry.champion(), registry.challenger()
+        if challenger:  # during live A/B, "roll back" means: withdraw the challenger
+            after = registry.conclude_challenger("rollback", by=args.by or getpass.getuser(), reason=args.reason)
+        else:
+            after = registry.rollback(by=args.by, reason=args.reason)
     except RegistryError as exc:
         print(f"flowopt rollback: {exc}", file=sys.stderr)
         return 1
-    home = args.home or os.environ.get("DAGSTER_HOME")
+    _report_champion(registry, args.home, "rollback")
+    out = {"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}
+    print(json.dumps(out | ({"withdrawn_challenger": challenger["version"]} if challenger else {})))
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from resources.registry import AdapterRegistry, RegistryError
+
+    registry = AdapterRegistry(root=args.models)
+    try:
+        before, challenger = registry.champion(), registry.challenger()
+        if not challenger:
+            raise RegistryError(f"{registry.path}: no challenger in live A/B (a candidate reaches the champion through the held-out gate)")
+        after = registry.conclude_challenger("promote", by=args.by or getpass.getuser(), reason=args.reason)
+    except RegistryError as exc:
+        print(f"flowopt promote: {exc}", file=sys.stderr)
+        return 1
+    _report_champion(registry, args.home, "promote")
+    print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
+    return 0
+
+
+def _report_champion(registry, home: str | None, command: str) -> None:
+    # the UI's `champion` asset shows a change made here beside the promotions made by runs
+    home = home or os.environ.get("DAGSTER_HOME")
     if home:
-        # the UI's `champion` asset shows the rollback beside the promotions
         from flow_assets.champion import champion_materialization
 
         local_instance(home).report_runless_asset_event(champion_materialization(registry.load()))
     else:
-        print("flowopt rollback: not recorded in a Dagster instance (set DAGSTER_HOME or --home)", file=sys.stderr)
-    print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
-    return 0
+        print(f"flowopt {command}: not recorded in a Dagster instance (set DAGSTER_HOME or --home)", file=sys.stderr)
 
 
 def _registry_rebuild(args: argparse.Namespace) -> int:
@@ -279,7 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     prepare.set_defaults(fn=_models_prepare)
     listing = models_sub.add_parser("list", help="the presets, whether installed and prepared")
     listing.set_defaults(fn=_models_list)
-    rollback = sub.add_parser("rollback", help="restore the previous champion adapter in the registry")
+    promote = sub.add_parser("promote", help="end a live A/B by hand: the challenger becomes the champion")
+    promote.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    promote.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records it (default $DAGSTER_HOME)")
+    promote.add_argument("--reason", default="manual promotion", help="recorded in the registry history")
+    promote.add_argument("--by", default=None, help="who promotes (default: the current user)")
+    promote.set_defaults(fn=_promote)
+    rollback = sub.add_parser(
+        "rollback", help="restore the previous champion adapter in the registry (during a live A/B: withdraw the challenger)"
+    )
     rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
     rollback.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records the rollback (default $DAGSTER_HOME)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")

@@ -17,15 +17,18 @@ import os
 from dagster import Definitions, in_process_executor
 
 from flow_assets.data_plane import data_plane_assets, landed_logs
-from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.jobs import ab_test_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.live_traffic import live_assets
 from flow_assets.training import training_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from resources.loop import TrainingLoop
+from resources.live_ab import LiveAB
 from resources.tracking import ExperimentTracking
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from sensors.ab_monitor import ab_monitor_sensor
 from sensors.new_logs import new_logs_sensor
 from sensors.self_play import self_play_sensor
 from sensors.training import training_history_sensor, training_round_sensor
@@ -41,6 +44,7 @@ def build_resources(
     settle_seconds: float | None = None,
     loop: TrainingLoop | None = None,
     tracking: ExperimentTracking | None = None,
+    live_ab: LiveAB | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
@@ -50,7 +54,8 @@ def build_resources(
     caller that lands files only by rename and ticks the sensor at once (the demos, tests);
     ``loop`` the self-play and run-config settings (default: ``FLOWOPT_SELF_PLAY_ROUNDS``,
     ``FLOWOPT_RUN_CONFIG``); ``tracking`` where training metrics are exported besides Dagster
-    (default: ``FLOWOPT_TRACKING``, empty = off).
+    (default: ``FLOWOPT_TRACKING``, empty = off); ``live_ab`` whether a gated candidate enters
+    live A/B as challenger (default: ``FLOWOPT_LIVE_AB`` off, ``FLOWOPT_LIVE_AB_SHARE`` 0.1).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
@@ -64,6 +69,10 @@ def build_resources(
             run_config_path=os.environ.get("FLOWOPT_RUN_CONFIG") or None,
         ),
         "tracking": tracking or ExperimentTracking(target=os.environ.get("FLOWOPT_TRACKING", "")),
+        "live_ab": live_ab or LiveAB(
+            enabled=os.environ.get("FLOWOPT_LIVE_AB", "0").lower() in ("1", "true", "on", "yes"),
+            share=float(os.environ.get("FLOWOPT_LIVE_AB_SHARE", "0.1")),
+        ),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
@@ -83,6 +92,7 @@ def build_definitions(
     settle_seconds: float | None = None,
     loop: TrainingLoop | None = None,
     tracking: ExperimentTracking | None = None,
+    live_ab: LiveAB | None = None,
 ) -> Definitions:
     """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
     base models and settle times (:func:`build_resources`)."""
@@ -90,10 +100,10 @@ def build_definitions(
         # every job here is a chain of steps: one process per run (not one per step, which costs
         # a fresh import of torch and the code location for each step)
         executor=in_process_executor,
-        assets=[landed_logs, *data_plane_assets, *training_assets],
-        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job],
-        sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking),
+        assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets],
+        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job],
+        sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor, ab_monitor_sensor],
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab),
     )
 
 

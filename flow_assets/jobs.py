@@ -41,3 +41,11 @@ training_history_job = define_asset_job(
     selection=AssetSelection.assets("training_history"),
     description="Rebuild the training history: one row per round, with the success chart.",
 )
+
+#: The live A/B's report on one batch of live traffic (it reads every batch since the challenger started).
+ab_test_job = define_asset_job(
+    "ab_test_job",
+    selection=AssetSelection.assets("ab_test_report"),
+    partitions_def=log_batches,
+    description="Test the challenger against the champion on live traffic, as of this batch.",
+)

@@ -68,6 +68,7 @@ from resources.lake import TrajectoryLake
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from resources.live_ab import LiveAB
 from resources.tracking import ExperimentTracking
 
 GROUP = "training"
@@ -366,19 +367,27 @@ def _check_numbers(numbers: dict) -> dict:
 
 @asset(partitions_def=log_batches, group_name=GROUP, deps=[evaluation_report], pool=POOL, owners=TRAINING_OWNERS,
        code_version=code_version("flow_assets.rl.gate", "flow_assets.rounds", "resources.registry"))
-def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, registry: AdapterRegistry) -> MaterializeResult:
+def promoted_adapter(context: AssetExecutionContext, policy: PolicyModel, registry: AdapterRegistry, live_ab: LiveAB) -> MaterializeResult:
     """The candidate becomes the champion: re-checks the gate on the stored results, refuses a
     candidate trained from a champion that has since changed, then writes the registry
-    atomically (version, adapter, metrics, who promoted it and why)."""
+    atomically (version, adapter, metrics, who promoted it and why). With live A/B on, it becomes
+    the challenger instead, and ab_test_report decides on live traffic."""
     key = context.partition_key
+    share = live_ab.share if live_ab.enabled else 0.0
     try:
-        promotion = promote_candidate(policy.store(), registry, key, by=f"dagster run {context.run_id} (partition {key})")
+        promotion = promote_candidate(policy.store(), registry, key, by=f"dagster run {context.run_id} (partition {key})", live_ab_share=share)
     except RoundError as exc:
         raise Failure(str(exc)) from exc
-    context.log_event(champion_materialization(registry.load()))
+    if promotion.challenger:
+        text = f"{promotion.version} enters live A/B against {promotion.previous} ({share:.0%} of sessions)"
+        context.log.info(text)
+        context.log_event(AssetObservation(asset_key=CHAMPION, description=text, metadata={"version": promotion.previous, "challenger": promotion.version, "share": share}))
+    else:
+        context.log_event(champion_materialization(registry.load()))
     return MaterializeResult(
         metadata={
-            "champion": promotion.version,
+            "champion": promotion.previous if promotion.challenger else promotion.version,
+            "challenger": promotion.version if promotion.challenger else "",
             "previous": promotion.previous,
             "adapter": promotion.adapter_path,
             "reason": promotion.reason,

@@ -2,6 +2,7 @@
 real HTTP on the real tiny model."""
 
 import shutil
+import time
 
 import httpx
 import numpy as np
@@ -98,3 +99,105 @@ def test_the_gateway_serves_policy_from_both_sides_by_session_and_records_which(
     (trajectory,) = [Trajectory.model_validate_json(line) for line in landed.read_text().splitlines()]
     side = "v1" if in_challenger_share("r-7", {"version": "v1", "share": 0.3}) else "v0"
     assert trajectory.adapter_version == side
+
+
+def _damaged_adapter(store: PolicyStore, target) -> str:
+    """A LoRA adapter whose B matrices are random (a trained adapter gone wrong): the agent's
+    calls and answers break, so its success drops far below the identity adapter's."""
+    import torch
+
+    from flow_assets.policy.lora import save_lora_adapter
+
+    base, _ = store.load()
+    model = store.new_adapter(base)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    save_lora_adapter(model, target)
+    return str(target)
+
+
+@pytest.mark.slow
+def test_live_traffic_through_the_gateway_and_dagster_promotes_the_better_challenger(calculator_policy_dir, tmp_path):
+    from dagster import AssetKey, instance_for_test
+
+    from flow_assets.agents.harness import HarnessConfig, run_rollouts_sync
+    from flow_assets.definitions import build_definitions
+    from flow_assets.local import execute_requests, tick_sensor
+    from resources.live_ab import LiveAB
+    from resources.tasks import TaskSourceResource
+
+    root = tmp_path / "policy"
+    shutil.copytree(calculator_policy_dir, root)
+    store, registry = PolicyStore(str(root)), AdapterRegistry(root=str(root))
+    good = registry.champion()
+    # the champion is an adapter gone wrong; the challenger is the good one: live A/B must promote it
+    registry.promote("v1", _damaged_adapter(store, root / "adapters" / "v1"), {}, by="test", reason="a bad champion")
+    registry.start_challenger("v2", good["adapter_path"], {}, 0.5, by="test", reason="the good adapter, back on trial")
+    tasks = TaskSourceResource(kind="calculator")  # the agent the policy was warm-started for
+    source, agent = tasks.source(), tasks.agent_fn()
+    train = source.tasks("train")
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(root), tasks=tasks, settle_seconds=0,
+                             live_ab=LiveAB(enabled=True, share=0.5))  # fmt: skip
+    decisions = []
+    started = time.perf_counter()
+    (tmp_path / "home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        for batch in range(6):
+            chosen = train[batch * 40 : (batch + 1) * 40]
+            with store.gateway(tmp_path / "landing") as server:
+                results = run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"live-{batch:04d}",
+                                            source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
+            assert len(results) == len(chosen)
+            print(f"batch {batch}: {time.perf_counter() - started:.1f} s", flush=True)
+            landed = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
+            assert landed.succeeded and not landed.failed
+            request = tick_sensor(defs, instance, "ab_monitor_sensor")
+            assert [r.partition_key for r in request.run_requests] == landed.succeeded
+            execute_requests(defs, instance, "ab_test_job", request)
+            report = instance.get_latest_materialization_event(AssetKey("ab_test_report")).asset_materialization.metadata
+            decisions.append((report["decision"].value, report["n_champion"].value, report["n_challenger"].value))
+            act = tick_sensor(defs, instance, "ab_monitor_sensor")
+            assert not act.run_requests
+            if registry.challenger() is None:
+                break
+        champion = instance.get_latest_materialization_event(AssetKey("champion")).asset_materialization
+    assert decisions[-1][0] == "promote", decisions
+    assert all(d[0] == "continue" for d in decisions[:-1]), decisions
+    assert registry.champion()["version"] == "v2"
+    last = registry.load()["history"][-1]
+    assert last["action"] == "promote" and last["by"].startswith("ab_monitor_sensor (ab_test_report run ")
+    evidence = last["metrics"]["live_ab"]
+    assert evidence["decision"] == "promote" and evidence["challenger_success"] > evidence["champion_success"]
+    assert evidence["p_value"] < 0.05 and evidence["n_champion"] == decisions[-1][1]
+    assert champion.metadata["version"].value == "v2" and champion.metadata["by"].value == last["by"]
+
+
+def test_a_person_can_end_the_ab_either_way_from_the_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dagster import AssetKey, DagsterInstance
+
+    flowopt = str(Path(sys.executable).with_name("flowopt"))
+    registry = _registry_with_v1(tmp_path)
+    models, home = str(tmp_path / "models"), str(tmp_path / "home")
+    registry.start_challenger("v2", str(tmp_path / "models" / "v2"), {}, 0.1, by="run", reason="passed")
+    done = subprocess.run([flowopt, "rollback", "--models", models, "--home", home, "--by", "alice", "--reason", "support tickets"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"previous_champion": "v1", "champion": "v1", "withdrawn_challenger": "v2",
+                                       "adapter_path": str(tmp_path / "models" / "v1")}  # fmt: skip
+    last = registry.load()["history"][-1]
+    assert (last["action"], last["by"], last["reason"]) == ("withdraw", "alice", "support tickets")
+    refused = subprocess.run([flowopt, "promote", "--models", models, "--home", home], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "no challenger in live A/B" in refused.stderr and "Traceback" not in refused.stderr
+    registry.start_challenger("v3", str(tmp_path / "models" / "v2"), {}, 0.1, by="run", reason="passed")
+    done = subprocess.run([flowopt, "promote", "--models", models, "--home", home, "--by", "bob"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["champion"] == "v3", done.stderr
+    champion = DagsterInstance.local_temp(home).get_latest_materialization_event(AssetKey("champion")).asset_materialization
+    assert champion.metadata["version"].value == "v3" and champion.metadata["by"].value == "bob"

@@ -1,0 +1,103 @@
+"""Live A/B evidence from the lake: the outcomes of champion and challenger on live traffic.
+
+Plain functions (no Dagster): ``ab_test_report`` calls them on the lake's ``trajectories`` and
+``rewards`` tables, across every batch, and hands the outcome stream to the sequential test
+(:mod:`flow_assets.rl.sequential`).
+
+What counts as an observation of an adapter: a *labelled* trajectory (its outcome logged: success
+or not) whose ``adapter_version`` is that adapter and whose ``timestamp`` is at or after the
+challenger's start. Before the start the champion served everyone, and mixing that traffic in would
+compare two periods rather than two adapters. Unlabelled trajectories (no outcome yet) are counted
+but not tested. The observations are ordered by timestamp, the order the sequential test sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import polars as pl
+
+from flow_assets.rl.eval_stats import mean_interval, wilson_interval
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    """One side of the live A/B.
+
+    Attributes:
+        version: the adapter version.
+        n: labelled trajectories (observations); ``unlabelled``: those without an outcome yet.
+        successes / success_rate / success_ci: count, rate and 95% Wilson interval (NaN when n=0).
+        mean_reward / reward_ci: mean total reward of the labelled trajectories and its 95%
+            Student-t interval (NaN when no reward is known).
+    """
+
+    version: str
+    n: int
+    unlabelled: int
+    successes: int
+    success_rate: float
+    success_ci: tuple[float, float]
+    mean_reward: float
+    reward_ci: tuple[float, float]
+
+
+def live_observations(trajectories: pl.LazyFrame | pl.DataFrame, rewards: pl.LazyFrame | pl.DataFrame, versions: tuple[str, str], since: float) -> pl.DataFrame:
+    """The live trajectories of both adapters since the A/B started.
+
+    Args:
+        trajectories: the lake's ``trajectories`` table (``trajectory_id, adapter_version,
+            outcome_success, timestamp``), any number of batches.
+        rewards: the lake's ``rewards`` table (``trajectory_id, reward``); a trajectory without a
+            row gets a null reward.
+        versions: ``(champion, challenger)``.
+        since: the challenger's start, UNIX seconds (UTC).
+
+    Returns:
+        ``trajectory_id, adapter_version, success (bool, null = unlabelled), reward, at`` sorted by
+        ``at`` (UTC datetime) then ``trajectory_id``; one row per trajectory id (a trajectory
+        landed twice counts once).
+    """
+    start = datetime.fromtimestamp(since, timezone.utc)
+    at = pl.col("timestamp").str.to_datetime(time_zone="UTC", strict=False)
+    frame = (
+        trajectories.lazy()
+        .filter(pl.col("adapter_version").is_in(list(versions)))
+        .select("trajectory_id", "adapter_version", pl.col("outcome_success").alias("success"), at.alias("at"))
+        .filter(pl.col("at") >= start)
+        .unique("trajectory_id", keep="first")
+        .join(rewards.lazy().select("trajectory_id", "reward").unique("trajectory_id", keep="first"), on="trajectory_id", how="left")
+        .sort("at", "trajectory_id")
+    )
+    return frame.collect()
+
+
+def arm_summary(observations: pl.DataFrame, version: str) -> ArmSummary:
+    """:class:`ArmSummary` of ``version`` in :func:`live_observations`' frame."""
+    mine = observations.filter(pl.col("adapter_version") == version)
+    labelled = mine.filter(pl.col("success").is_not_null())
+    n, wins = labelled.height, int(labelled["success"].sum() or 0)
+    rewards = [r for r in labelled["reward"].to_list() if r is not None and np.isfinite(r)]
+    mean = mean_interval(rewards) if rewards else None
+    nan = float("nan")
+    return ArmSummary(
+        version=version,
+        n=n,
+        unlabelled=mine.height - n,
+        successes=wins,
+        success_rate=wins / n if n else nan,
+        success_ci=wilson_interval(wins, n) if n else (nan, nan),
+        mean_reward=mean.mean if mean else nan,
+        reward_ci=(mean.ci_low, mean.ci_high) if mean else (nan, nan),
+    )
+
+
+def outcome_stream(observations: pl.DataFrame, challenger: str) -> tuple[np.ndarray, np.ndarray]:
+    """The labelled outcomes in arrival order as the sequential test reads them: ``(arms,
+    outcomes)``, both ``[n]`` int64, arm 1 = served by ``challenger`` (0 = the champion),
+    outcome 1 = success."""
+    labelled = observations.filter(pl.col("success").is_not_null())
+    arms = (labelled["adapter_version"] == challenger).cast(pl.Int64).to_numpy()
+    return arms, labelled["success"].cast(pl.Int64).to_numpy()
