@@ -2,7 +2,7 @@
 
 Plain functions (no Dagster): ``ab_test_report`` calls them on the lake's ``trajectories`` and
 ``rewards`` tables, across every batch, and hands the outcome stream to the sequential test
-(:mod:`flow_assets.rl.sequential`).
+(:mod:`flow_assets.rl.ab_test`).
 
 What counts as an observation of an adapter: a *labelled* trajectory (its outcome logged: success
 or not) whose ``adapter_version`` is that adapter and whose ``timestamp`` is at or after the
@@ -94,10 +94,8 @@ def arm_summary(observations: pl.DataFrame, version: str) -> ArmSummary:
     )
 
 
-def outcome_stream(observations: pl.DataFrame, challenger: str) -> tuple[np.ndarray, np.ndarray]:
-    """The labelled outcomes in arrival order as the sequential test reads them: ``(arms,
-    outcomes)``, both ``[n]`` int64, arm 1 = served by ``challenger`` (0 = the champion),
-    outcome 1 = success."""
-    labelled = observations.filter(pl.col("success").is_not_null())
-    arms = (labelled["adapter_version"] == challenger).cast(pl.Int64).to_numpy()
-    return arms, labelled["success"].cast(pl.Int64).to_numpy()
+def outcome_stream(observations: pl.DataFrame, version: str) -> np.ndarray:
+    """The labelled outcomes of ``version`` in arrival order, ``[n]`` int64 (1 = success), as the
+    sequential test reads each arm."""
+    mine = observations.filter((pl.col("adapter_version") == version) & pl.col("success").is_not_null())
+    return mine["success"].cast(pl.Int64).to_numpy()

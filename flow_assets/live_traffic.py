@@ -12,7 +12,7 @@ from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetE
 from flow_assets.data_plane import rewards
 from flow_assets.live_ab import arm_summary, live_observations, outcome_stream
 from flow_assets.partitions import log_batches
-from flow_assets.rl.sequential import SequentialConfig, sequential_test
+from flow_assets.rl.ab_test import ABConfig, ab_decision
 from flow_assets.versions import TRAINING_OWNERS, code_version
 from resources.lake import TrajectoryLake
 from resources.live_ab import LiveAB
@@ -32,14 +32,14 @@ AB_CHECKS = {
 }
 
 
-def _earlier_looks(context: AssetExecutionContext, challenger: str) -> list[int]:
-    """Stream lengths (labelled observations) at the earlier reports on ``challenger``."""
+def _earlier_looks(context: AssetExecutionContext, challenger: str) -> list[tuple[int, int]]:
+    """``(n_champion, n_challenger)`` labelled outcomes at each earlier report on ``challenger``."""
     records = context.instance.fetch_materializations(context.assets_def.key, limit=10_000).records
     looks = []
     for record in records:
         meta = record.asset_materialization.metadata
-        if "challenger" in meta and meta["challenger"].value == challenger and "n_observations" in meta:
-            looks.append(int(meta["n_observations"].value))
+        if "challenger" in meta and meta["challenger"].value == challenger and "n_challenger" in meta:
+            looks.append((int(meta["n_champion"].value), int(meta["n_challenger"].value)))
     return looks
 
 
@@ -52,7 +52,7 @@ def _float(x: float) -> MetadataValue:
     group_name=GROUP,
     deps=[rewards],
     owners=TRAINING_OWNERS,
-    code_version=code_version("flow_assets.live_ab", "flow_assets.rl.sequential"),
+    code_version=code_version("flow_assets.live_ab", "flow_assets.rl.ab_test"),
     check_specs=[
         AssetCheckSpec("challenger_not_worse", asset="ab_test_report", blocking=True, description=AB_CHECKS["challenger_not_worse"]),
         AssetCheckSpec("challenger_better", asset="ab_test_report", description=AB_CHECKS["challenger_better"]),
@@ -75,12 +75,18 @@ def ab_test_report(context: AssetExecutionContext, lake: TrajectoryLake, registr
     champion_version, challenger_version = challenger["champion"], challenger["version"]
     observations = live_observations(lake.scan("trajectories"), lake.scan("rewards"), (champion_version, challenger_version), challenger["since"])
     arms = {side: arm_summary(observations, version) for side, version in (("champion", champion_version), ("challenger", challenger_version))}
-    config = SequentialConfig(alpha=live_ab.alpha, min_samples_per_arm=live_ab.min_samples_per_arm, max_samples_per_arm=live_ab.max_samples_per_arm)
-    arms_stream, outcomes = outcome_stream(observations, challenger_version)
+    config = ABConfig(alpha=live_ab.alpha, min_samples_per_arm=live_ab.min_samples_per_arm, max_samples_per_arm=live_ab.max_samples_per_arm)
+    champion_outcomes = outcome_stream(observations, champion_version)
+    challenger_outcomes = outcome_stream(observations, challenger_version)
     # the test's looks are the reports made on this challenger so far, and this one: the p-value
-    # is the running best over the looks actually taken (Johari et al. 2022, Sec. 3.2)
-    earlier = [n for n in _earlier_looks(context, challenger_version) if 0 < n < outcomes.size]
-    result = sequential_test(arms_stream, outcomes, config, looks=np.array(sorted(set(earlier)) + [outcomes.size]) if outcomes.size else None)
+    # is the running best over the looks actually taken, not over every prefix nobody looked at
+    now = (champion_outcomes.size, challenger_outcomes.size)
+    looks = [now]
+    for look in sorted({x for x in _earlier_looks(context, challenger_version) if x[0] <= now[0] and x[1] <= now[1]}, reverse=True):
+        if look[1] <= looks[-1][1] and look != looks[-1]:  # a look is a point both arms had passed
+            looks.append(look)
+    looks.reverse()
+    result = ab_decision(champion_outcomes, challenger_outcomes, config, checkpoints=np.array(looks, dtype=np.int64).reshape(-1, 2))
     context.log.info(f"live A/B {challenger_version} vs {champion_version}: {result.reason}")
     numbers = {
         "champion_success": _float(arms["champion"].success_rate),
@@ -91,7 +97,6 @@ def ab_test_report(context: AssetExecutionContext, lake: TrajectoryLake, registr
         "p_value": _float(result.p_value),
         "n_champion": MetadataValue.int(arms["champion"].n),
         "n_challenger": MetadataValue.int(arms["challenger"].n),
-        "n_observations": MetadataValue.int(int(outcomes.size)),
     }
     table = "\n".join(
         ["| adapter | side | labelled | unlabelled | success (95% CI) | mean reward (95% CI) |", "|---|---|---|---|---|---|"]
