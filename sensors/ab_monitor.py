@@ -20,7 +20,7 @@ no challenger and does nothing.
 from __future__ import annotations
 
 import polars as pl
-from dagster import AssetKey, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.champion import champion_materialization
 from flow_assets.jobs import ab_test_job
@@ -53,6 +53,7 @@ def _has_live_traffic(lake: TrajectoryLake, key: str, versions: tuple[str, str])
 @sensor(
     job=ab_test_job,
     minimum_interval_seconds=sensor_interval(),
+    default_status=DefaultSensorStatus.RUNNING,  # a no-op until a challenger exists (FLOWOPT_LIVE_AB)
     description="While a challenger is in live A/B: requests ab_test_report on each new log batch of live traffic, "
     "and promotes or withdraws the challenger in the registry when the report's sequential test decides.",
 )

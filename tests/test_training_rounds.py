@@ -238,7 +238,7 @@ def test_a_real_daemon_started_afterwards_launches_nothing(world):
         "FLOWOPT_MODELS": str(world.models), "FLOWOPT_TASKS": "reasoning_gym", "FLOWOPT_SETTLE_SECONDS": "0",
     }  # fmt: skip
     runs_before = {r.run_id for r in world.instance.get_runs()}
-    sensors = {"new_logs_sensor", "training_round_sensor", "training_history_sensor"}
+    sensors = {"new_logs_sensor", "training_round_sensor", "training_history_sensor", "ab_monitor_sensor"}
     daemon = subprocess.Popen(
         [str(Path(sys.executable).with_name("dagster-daemon")), "run", "-w", "workspace.yaml"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
