@@ -471,6 +471,90 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
     return out
 
 
+#: the demo's live A/B: sessions per batch of live traffic, the challenger's share, most batches
+AB_SESSIONS_PER_BATCH = 96
+AB_SHARE = 0.5
+AB_MAX_BATCHES = 8
+
+
+def run_ab_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, timeout: float = 600.0) -> dict:
+    """The demo's live A/B, under the daemon: the SFT base adapter goes back on trial as the
+    challenger against the trained champion (``AB_SHARE`` of sessions), the calculator agent serves
+    live tasks (the held-out split: tasks training never saw) through the gateway with
+    ``model="policy"``, a batch of ``AB_SESSIONS_PER_BATCH`` sessions at a time;
+    ``new_logs_sensor`` ingests each batch, ``ab_monitor_sensor`` requests ``ab_test_report`` and
+    carries out its decision in the registry. Stops at the decision or after ``AB_MAX_BATCHES``.
+
+    Returns:
+        the report's ``ab`` object: ``decision`` (``promote`` / ``rollback`` / ``continue`` when
+        undecided), champion and challenger versions, samples and success per arm, the
+        always-valid p-value, the registry's verdict line, batches and seconds.
+
+    Raises:
+        DeploymentError: the daemon died, or a batch's report did not come within ``timeout`` s.
+    """
+    from dagster import AssetKey
+
+    from flow_assets.agents.harness import HarnessConfig, run_rollouts_sync
+    from flow_assets.deployment import Daemon, runs_in_flight, wait_until
+    from flow_assets.policy.store import PolicyStore
+
+    started = time.perf_counter()
+    registry = AdapterRegistry(root=str(phase.models))
+    base = next(e for e in registry.load()["history"] if e["action"] == "register")
+    champion = registry.champion()["version"]
+    challenger = registry.start_challenger(
+        registry.next_version(), base["adapter_path"], {}, AB_SHARE, by="flowopt demo",
+        reason=f"the SFT base ({base['version']}) back on trial against the trained champion: does live traffic agree with the gate?",
+    )["version"]  # fmt: skip
+    tasks = TaskSourceResource(kind=phase.kind)
+    source, agent = tasks.source(), tasks.agent_fn()
+    live_tasks = source.tasks("held_out")
+    config_path = state.home / f"run-config.{phase.kind}.json"
+    print(f"\nlive A/B: champion {champion} vs challenger {challenger} (the SFT base) on {AB_SHARE:.0%} of sessions; "
+          f"{AB_SESSIONS_PER_BATCH} live sessions per batch, ab_monitor_sensor decides", flush=True)  # fmt: skip
+
+    def reports() -> list:
+        records = instance.fetch_materializations(AssetKey("ab_test_report"), limit=100).records
+        return [r for r in records if r.asset_materialization.metadata.get("challenger") and r.asset_materialization.metadata["challenger"].value == challenger]
+
+    meta: dict = {}
+    batches = 0
+    with Daemon(phase_env(state, phase, config_path), state.home / "daemon.log") as daemon:
+        for b in range(AB_MAX_BATCHES):
+            chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
+            with PolicyStore(str(phase.models)).gateway(state.landing) as server:
+                run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
+                                  source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
+            batches += 1
+            report = wait_until(lambda n=b + 1: (lambda r: r[0] if len(r) >= n else None)(reports()), daemon, f"ab_test_report on live batch {b + 1}", timeout)
+            meta = {k: v.value for k, v in report.asset_materialization.metadata.items() if k != "arms"}
+            print(f"  batch {b + 1}: {meta['n_champion']} / {meta['n_challenger']} sessions (champion / challenger), success "
+                  f"{meta['champion_success']:.3f} / {meta['challenger_success']:.3f}, p = {meta['p_value']:.3g}: {meta['decision']}", flush=True)  # fmt: skip
+            if meta["decision"] in ("promote", "rollback"):
+                wait_until(lambda: registry.challenger() is None or None, daemon, "ab_monitor_sensor to act on the decision", timeout)
+                break
+        wait_until(lambda: runs_in_flight(instance) == 0 or None, daemon, "the live batches' runs", timeout)
+    last = registry.load()["history"][-1]
+    verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
+    print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return {
+        "decision": meta.get("decision", "none"),
+        "champion": champion,
+        "challenger": challenger,
+        "share": AB_SHARE,
+        "samples": {"champion": meta.get("n_champion"), "challenger": meta.get("n_challenger")},
+        "success": {"champion": meta.get("champion_success"), "challenger": meta.get("challenger_success")},
+        "diff": meta.get("diff"),
+        "p_value": meta.get("p_value"),
+        "reason": meta.get("reason"),
+        "registry": verdict,
+        "champion_after": registry.champion()["version"],
+        "batches": batches,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
 def run_demo(
     state: DemoState | None = None,
     data_dir: Path = SHARED_DATA,
@@ -538,6 +622,7 @@ def run_demo(
         f"{stats['mean_llm_calls_per_trajectory']:.2f} LLM calls and {stats['mean_tool_calls_per_trajectory']:.2f} tool calls "
         f"per collected trajectory; {agent_seconds:.0f} s"
     )
+    ab = run_ab_phase(state, instance, lake, agent_phase)
     seconds = time.perf_counter() - started
     content = {
         "data_plane": {
@@ -570,6 +655,7 @@ def run_demo(
             **stats,
             "seconds": round(agent_seconds, 2),
         },
+        "ab": ab,
         "seconds": round(seconds, 2),
         "dagster_home": str(home),
     }

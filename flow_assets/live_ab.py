@@ -99,3 +99,38 @@ def outcome_stream(observations: pl.DataFrame, version: str) -> np.ndarray:
     sequential test reads each arm."""
     mine = observations.filter((pl.col("adapter_version") == version) & pl.col("success").is_not_null())
     return mine["success"].cast(pl.Int64).to_numpy()
+
+
+def ab_windows(history: list[dict]) -> list[tuple[float, float]]:
+    """The periods in which a live A/B ran, from the registry's history: ``[(start, end)]`` in UNIX
+    seconds, from each ``challenge`` event to the ``promote`` / ``withdraw`` that ended it, or to
+    infinity while it runs (a challenge ended by a hand-made promotion or rollback ends there too).
+    """
+    windows: list[tuple[float, float]] = []
+    open_since: float | None = None
+    for event in history:
+        action, at = event.get("action"), event.get("at")
+        if at is None:
+            continue
+        if action == "challenge":
+            open_since = float(at)
+        elif open_since is not None and action in ("promote", "withdraw", "rollback"):
+            windows.append((open_since, float(at)))
+            open_since = None
+    if open_since is not None:
+        windows.append((open_since, float("inf")))
+    return windows
+
+
+def served_during_ab(trajectories: pl.DataFrame, windows: list[tuple[float, float]]) -> int:
+    """How many of ``trajectories`` (``timestamp`` column, ISO 8601) were served while a live A/B
+    ran (:func:`ab_windows`). Those are the experiment's evidence: ``training_round_sensor`` does
+    not train on their batch, because a candidate trained on them could replace the champion the
+    experiment compares against, and its traffic mixes two policies."""
+    if not windows or trajectories.height == 0:
+        return 0
+    at = trajectories.select(pl.col("timestamp").str.to_datetime(time_zone="UTC", strict=False).dt.epoch("ms") / 1000.0).to_series()
+    inside = pl.lit(False)
+    for start, end in windows:
+        inside = inside | ((pl.col("at") >= start) & (pl.col("at") < end))
+    return int(pl.DataFrame({"at": at}).select(inside.fill_null(False).sum()).item())

@@ -4,6 +4,8 @@ A batch qualifies when its ``advantages`` partition is materialised and its traj
 rollouts of the trainable policy (the task source's ``agent_id`` with logged token ids), and the
 blocking data checks of the run that produced it passed (a batch with non-finite advantages
 never reaches training). Batches
+served while a live A/B ran (:func:`flow_assets.live_ab.ab_windows`) are the experiment's evidence
+and are not trained on. Batches
 of other agents (e.g. the tau-bench or FireAct logs) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
@@ -33,9 +35,11 @@ from dagster import (
 )
 
 from flow_assets.jobs import training_history_job, training_round_job
+from flow_assets.live_ab import ab_windows, served_during_ab
 from flow_assets.recovery import PARTITION_NAME_TAG, batches_to_rerun
 from resources.lake import TrajectoryLake
 from resources.loop import TrainingLoop
+from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from sensors.settings import sensor_interval
 
@@ -72,10 +76,12 @@ def failed_data_checks(instance: DagsterInstance, key: str) -> list[str]:
         "Each log batch of the trainable agent's rollouts whose advantages are "
         "materialised and whose data checks passed gets one run of training_round_job. Batches of "
         "other agents stop after advantages; a batch that already has a training run is never "
-        "requested again."
+        "requested again, and a batch served during a live A/B (the experiment's evidence) is not trained on."
     ),
 )
-def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource, loop: TrainingLoop):
+def training_round_sensor(
+    context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource, loop: TrainingLoop, registry: AdapterRegistry
+):
     """Requests ``training_round_job`` once per new batch of trainable rollouts (cursor: the
     batches already decided, trainable or not)."""
     decided: set[str] = set(json.loads(context.cursor) if context.cursor else [])
@@ -87,6 +93,7 @@ def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake
         RunRequest(run_key=f"train:{key}:after-{run_id[:8]}", partition_key=key, run_config=run_config) for key, run_id in sorted(retries.items())
     ]
     skipped = []
+    windows = ab_windows(registry.load()["history"]) if ready else []
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)
         if failed:
@@ -95,8 +102,13 @@ def training_round_sensor(context: SensorEvaluationContext, lake: TrajectoryLake
             context.log.warning(f"batch {key}: data check(s) {', '.join(failed)} failed; no training round")
             continue
         traj = lake.read_partition("trajectories", key)
-        trainable = traj.filter(pl.col("agent_id") == tasks.agent_id).height > 0
+        mine = traj.filter(pl.col("agent_id") == tasks.agent_id)
+        trainable = mine.height > 0
         decided.add(key)
+        during_ab = served_during_ab(mine, windows)
+        if during_ab:
+            context.log.info(f"batch {key}: {during_ab} trajectories were served during a live A/B; not trained on")
+            trainable = False
         if trainable:
             requests.append(RunRequest(run_key=f"train:{key}", partition_key=key, run_config=run_config))
         else:

@@ -2,6 +2,7 @@
 real HTTP on the real tiny model."""
 
 import shutil
+from datetime import datetime, timezone
 import time
 
 import httpx
@@ -201,3 +202,23 @@ def test_a_person_can_end_the_ab_either_way_from_the_cli(tmp_path):
     assert done.returncode == 0 and json.loads(done.stdout)["champion"] == "v3", done.stderr
     champion = DagsterInstance.local_temp(home).get_latest_materialization_event(AssetKey("champion")).asset_materialization
     assert champion.metadata["version"].value == "v3" and champion.metadata["by"].value == "bob"
+
+
+def test_traffic_served_during_a_live_ab_is_found_from_the_registry_history(tmp_path):
+    import polars as pl
+
+    from flow_assets.live_ab import ab_windows, served_during_ab
+
+    registry = _registry_with_v1(tmp_path)
+    registry.start_challenger("v2", str(tmp_path / "models" / "v2"), {}, 0.5, by="test", reason="trial")
+    open_windows = ab_windows(registry.load()["history"])
+    assert len(open_windows) == 1 and open_windows[0][1] == float("inf")
+    start = open_windows[0][0]
+    registry.conclude_challenger("rollback", by="test", reason="worse", evidence={})
+    (window,) = ab_windows(registry.load()["history"])
+    assert window[0] == start and start <= window[1] < float("inf")
+    iso = lambda t: datetime.fromtimestamp(t, timezone.utc).isoformat()  # noqa: E731
+    frame = pl.DataFrame({"timestamp": [iso(start - 60), iso(start + 1e-3), iso(window[1] + 60), None]})
+    assert served_during_ab(frame, [window]) == 1  # before, during, after, no timestamp
+    assert served_during_ab(frame, open_windows) == 2
+    assert served_during_ab(frame, []) == 0
