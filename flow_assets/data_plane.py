@@ -47,7 +47,9 @@ from flow_assets.partitions import log_batches
 from flow_assets.versions import DATA_OWNERS, code_version
 from flow_assets.rl.advantages import AdvantageConfig, group_advantages
 from flow_assets.rl.credit import CreditConfig, step_advantages
+from flow_assets.rl.judge import judge_groups_sync, judge_totals, judgement_table
 from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table
+from resources.judge import JudgeEndpoint
 from resources.lake import TrajectoryLake
 
 GROUP = "data_plane"
@@ -221,18 +223,23 @@ class AdvantagesConfig(AdvantageRunConfig):
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[trajectories], owners=DATA_OWNERS,
-       code_version=code_version("flow_assets.rl.rewards", "flow_assets.rl.reward_fns"))
-def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: TrajectoryLake) -> MaterializeResult:
-    """Reward components per trajectory (outcome, tool success, verify, step penalty, custom)
-    and their total reward."""
+       code_version=code_version("flow_assets.rl.rewards", "flow_assets.rl.reward_fns", "flow_assets.rl.judge"))
+def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: TrajectoryLake, judge: JudgeEndpoint) -> MaterializeResult:
+    """Reward components per trajectory (outcome, tool success, verify, step penalty, custom, and
+    the scoring agent's judge score when a judge is configured) and their total reward; a group
+    the judge could not score gets no reward (no gradient), with the reason."""
     key = context.partition_key
     cfg = config.to_pure()
-    custom = None
-    if cfg.custom:
+    custom = verdicts = None
+    judge_meta: dict = {}
+    if cfg.custom or judge.enabled:
         chunks = lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"])
-        custom = custom_rewards((Trajectory.model_validate_json(r) for c in chunks for r in c["record_json"].to_list()), cfg)
+        parsed = [Trajectory.model_validate_json(r) for c in chunks for r in c["record_json"].to_list()]
+        custom = custom_rewards(parsed, cfg) if cfg.custom else None
+        if judge.enabled:
+            verdicts, judge_meta = _judge(context, judge, parsed)
     steps = lake.scan_partition("steps", key)
-    table = reward_table(lake.scan_partition("trajectories", key), steps, cfg, custom).with_columns(
+    table = reward_table(lake.scan_partition("trajectories", key), steps, cfg, custom, verdicts).with_columns(
         source=pl.lit(lake.batch_manifest(key).source)
     )
     lake.write_partition("rewards", key, table)
@@ -245,11 +252,48 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
             "reward_histogram": histogram_markdown(reward),
             "component_means": {
                 c: round(float(table[c].mean() or 0.0), 6)
-                for c in ("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom")
+                for c in ("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom", "r_judge")
             },
+            **judge_meta,
             "preview": preview_table(table),
         }
     )
+
+
+def _judge(context: AssetExecutionContext, judge: JudgeEndpoint, trajectories: list[Trajectory]) -> tuple[pl.DataFrame, dict]:
+    """The scoring agent's verdicts on a batch's groups (one group per task id) and their metadata:
+    groups scored and dropped (with the reasons), requests, cache hits, tokens, USD."""
+    settings = judge.settings()
+    groups: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory.task_id, []).append(trajectory)
+    verdicts = judge_groups_sync(groups, settings, judge.base_url, judge.api_key, judge.cache())
+    totals = judge_totals(verdicts)
+    dropped = [v for v in verdicts if v.error is not None]
+    for v in dropped[:20]:
+        context.log.warning(f"judge dropped group {v.task_id!r} ({len(groups[v.task_id])} trajectories): {v.error}")
+    context.log.info(
+        f"judge {settings.model} ({settings.mode}): {totals['groups_scored']} groups scored, {totals['groups_dropped']} dropped; "
+        f"{totals['calls']} requests, {totals['cached']} from the cache, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
+        f"${totals['cost_usd']:.4f}"
+    )
+    reasons = "\n".join(["| task | trajectories | reason |", "|---|---|---|"] + [
+        f"| {v.task_id} | {len(groups[v.task_id])} | {v.error.replace('|', '/')} |" for v in dropped[:50]
+    ])  # fmt: skip
+    meta = {
+        "judge_model": settings.model,
+        "judge_mode": settings.mode,
+        "judge_groups_scored": MetadataValue.int(totals["groups_scored"]),
+        "judge_groups_dropped": MetadataValue.int(totals["groups_dropped"]),
+        "judge_requests": MetadataValue.int(totals["calls"]),
+        "judge_cache_hits": MetadataValue.int(totals["cached"]),
+        "judge_prompt_tokens": MetadataValue.int(totals["prompt_tokens"]),
+        "judge_completion_tokens": MetadataValue.int(totals["completion_tokens"]),
+        "judge_cost_usd": MetadataValue.float(round(totals["cost_usd"], 6)),
+    }
+    if dropped:
+        meta["judge_dropped"] = MetadataValue.md(reasons)
+    return judgement_table(verdicts, groups), meta
 
 
 @asset(
@@ -301,7 +345,9 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     # unlabelled trajectories are kept with null advantages: no group statistics, no gradient
     scored = pl.concat([group_advantages(labelled, adv_cfg), pool.filter(pl.col("reward").is_null())], how="diagonal_relaxed")
     table = scored.filter(pl.col("batch") == key).drop("batch")
-    n_unlabelled = int(table["reward"].is_null().sum())
+    # a null reward is either unlabelled or a group the judge could not score: both carry no gradient
+    judge_dropped = int(table["judge_error"].is_not_null().sum()) if "judge_error" in table.columns else 0
+    n_unlabelled = int(table["reward"].is_null().sum()) - judge_dropped
     lake.write_partition("advantages", key, table)
     steps = step_advantages(lake.scan_partition("steps", key), table.lazy(), credit_cfg)
     lake.sink_partition("step_advantages", key, steps)
@@ -319,6 +365,7 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
         metadata={
             "trajectories": table.height,
             "unlabelled": n_unlabelled,
+            "judge_dropped": judge_dropped,
             "groups": n_groups,
             "groups_with_signal": n_groups - n_zero,
             "zero_variance_share": MetadataValue.float(n_zero / n_groups if n_groups else 0.0),

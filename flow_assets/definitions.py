@@ -14,7 +14,7 @@ built-in agent of ``FLOWOPT_TASKS`` (a task source kind: ``calculator``, the def
 
 import os
 
-from dagster import Definitions, in_process_executor
+from dagster import Definitions, EnvVar, in_process_executor
 
 from flow_assets.data_plane import data_plane_assets, landed_logs
 from flow_assets.jobs import ab_test_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
@@ -23,6 +23,7 @@ from flow_assets.training import training_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from resources.loop import TrainingLoop
+from resources.judge import JudgeEndpoint
 from resources.live_ab import LiveAB
 from resources.tracking import ExperimentTracking
 from resources.policy import PolicyModel
@@ -32,6 +33,18 @@ from sensors.ab_monitor import ab_monitor_sensor
 from sensors.new_logs import new_logs_sensor
 from sensors.self_play import self_play_sensor
 from sensors.training import training_history_sensor, training_round_sensor
+
+
+def judge_from_env() -> JudgeEndpoint:
+    """The scoring agent from ``FLOWOPT_JUDGE_URL`` (empty: no judge), ``FLOWOPT_JUDGE_MODEL``,
+    ``FLOWOPT_JUDGE_MODE`` (``relative`` or ``absolute``), ``FLOWOPT_JUDGE_CACHE`` and the key
+    ``FLOWOPT_JUDGE_API_KEY`` as an ``EnvVar`` (read when the resource is used, never stored in
+    config)."""
+    key = EnvVar("FLOWOPT_JUDGE_API_KEY") if os.environ.get("FLOWOPT_JUDGE_API_KEY") else "unused"
+    return JudgeEndpoint(
+        base_url=os.environ.get("FLOWOPT_JUDGE_URL", ""), model=os.environ.get("FLOWOPT_JUDGE_MODEL", ""), api_key=key,
+        mode=os.environ.get("FLOWOPT_JUDGE_MODE", "relative"), cache_dir=os.environ.get("FLOWOPT_JUDGE_CACHE", ".judge-cache"),
+    )  # fmt: skip
 
 
 def build_resources(
@@ -45,6 +58,7 @@ def build_resources(
     loop: TrainingLoop | None = None,
     tracking: ExperimentTracking | None = None,
     live_ab: LiveAB | None = None,
+    judge: JudgeEndpoint | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
@@ -73,6 +87,7 @@ def build_resources(
             enabled=os.environ.get("FLOWOPT_LIVE_AB", "0").lower() in ("1", "true", "on", "yes"),
             share=float(os.environ.get("FLOWOPT_LIVE_AB_SHARE", "0.1")),
         ),
+        "judge": judge or judge_from_env(),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
@@ -93,6 +108,7 @@ def build_definitions(
     loop: TrainingLoop | None = None,
     tracking: ExperimentTracking | None = None,
     live_ab: LiveAB | None = None,
+    judge: JudgeEndpoint | None = None,
 ) -> Definitions:
     """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
     base models and settle times (:func:`build_resources`)."""
@@ -103,7 +119,7 @@ def build_definitions(
         assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job],
         sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor, ab_monitor_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab, judge),
     )
 
 

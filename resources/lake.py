@@ -336,7 +336,8 @@ class TrajectoryLake(ConfigurableResource):
         pattern = Path(self.root) / table / "batch=*" / "data.parquet"
         if not self.batches(table):
             raise FileNotFoundError(f"lake table {table!r} is empty ({pattern})")
-        return pl.scan_parquet(str(pattern), hive_partitioning=True)
+        # partitions written before a column was added (e.g. rewards' r_judge) read it as null
+        return pl.scan_parquet(str(pattern), hive_partitioning=True, missing_columns="insert", extra_columns="ignore")
 
     def duckdb(self) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with one view per lake table (``batch`` column
@@ -348,7 +349,7 @@ class TrajectoryLake(ConfigurableResource):
                 glob = str(table_dir / "batch=*" / "data.parquet").replace("'", "''")
                 con.sql(
                     f"create view \"{table_dir.name}\" as select * from "
-                    f"read_parquet('{glob}', hive_partitioning = true)"
+                    f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
                 )
         return con
 

@@ -7,8 +7,12 @@ For trajectory ``tau`` with steps ``s_1..s_n`` (DESIGN.md, "rewards"):
                 + w_verify * #{s_i : kind == verify}
                 + w_step * n
                 + sum_f custom_f(tau)
+                + w_judge * judge(tau)
 
 ``outcome(tau)`` is the logged score when there is one, else 1.0/0.0 from the logged success.
+``judge(tau)`` is the scoring agent's score in [0, 1] (:mod:`flow_assets.rl.judge`) when a judge
+is configured. A trajectory whose group the judge could not score gets a null reward (no
+gradient), never a zero; a trajectory without a logged outcome is rewarded when the judge scored it.
 Every component is returned on its own so that a user can see which term moved a group.
 """
 
@@ -44,6 +48,7 @@ class RewardConfig:
         tool_success: added per successful tool call (``kind == "tool"`` and ``status == "ok"``).
         verify: added per verification step (``kind == "verify"``).
         step_penalty: added per step (negative: a length penalty).
+        judge: weight of the scoring agent's score (only when a judge endpoint is configured).
         custom: agent type -> ``"module:function"`` paths of custom reward functions. The agent
             type of a trajectory is its ``agent_id`` up to the first ``":"``; the key ``"*"``
             applies to every agent.
@@ -53,6 +58,7 @@ class RewardConfig:
     tool_success: float = 0.1
     verify: float = 0.05
     step_penalty: float = -0.01
+    judge: float = 1.0
     custom: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -123,6 +129,7 @@ def reward_table(
     steps: pl.DataFrame | pl.LazyFrame,
     config: RewardConfig,
     custom: Mapping[str, float] | None = None,
+    judge: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Rewards of a batch, term by term (formula in the module docstring), vectorised.
 
@@ -132,12 +139,15 @@ def reward_table(
         steps: one row per step with ``trajectory_id, kind, status`` (the ``steps`` table); a
             lazy frame is aggregated by the streaming engine, reading only those columns.
         custom: ``trajectory_id -> custom reward`` from :func:`custom_rewards`.
+        judge: the scoring agent's verdicts (:func:`flow_assets.rl.judge.judgement_table`:
+            ``trajectory_id, judge_score, judge_error``), or None without a judge.
 
     Returns:
         One row per trajectory, in the input order: ``trajectory_id, task_id, agent_id,
-        r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, reward`` (Float64;
-        ``r_outcome`` and ``reward`` are null for an unlabelled trajectory, one without a logged
-        outcome).
+        r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, r_judge, reward``
+        (Float64) and ``judge_error`` (String; null without a judge). ``reward`` is null for a trajectory
+        with neither a logged outcome nor a judge score (unlabelled), and for one whose group the
+        judge dropped (``judge_error`` says why).
     """
     counts = (
         steps.lazy()
@@ -176,10 +186,16 @@ def reward_table(
             r_custom=pl.col("r_custom").fill_null(0.0),
         )
     )
-    # an unlabelled trajectory (no outcome logged) has no reward yet: shaping terms alone would
-    # rank it against labelled ones on length and tool use only
-    return table.with_columns(
-        reward=pl.when(pl.col("r_outcome").is_not_null()).then(
-            pl.sum_horizontal("r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom")
-        )
-    )
+    terms = ["r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom"]
+    if judge is None:  # the columns exist either way, so every partition of the table has one schema
+        judge = pl.DataFrame(schema={"trajectory_id": pl.String, "judge_score": pl.Float64, "judge_error": pl.String})
+    # an unlabelled trajectory (neither an outcome logged nor a judge score) has no reward yet:
+    # shaping terms alone would rank it against labelled ones on length and tool use only
+    table = table.join(judge.select("trajectory_id", "judge_score", "judge_error"), on="trajectory_id", how="left", maintain_order="left")
+    table = table.with_columns(r_judge=(config.judge * pl.col("judge_score")).cast(pl.Float64)).drop("judge_score")
+    labelled = pl.col("r_outcome").is_not_null() | pl.col("r_judge").is_not_null()
+    return table.select(
+        "trajectory_id", "task_id", "agent_id", *terms, "r_judge",
+        reward=pl.when(labelled & pl.col("judge_error").is_null()).then(pl.sum_horizontal(*terms, "r_judge")),
+        judge_error="judge_error",
+    )  # fmt: skip
