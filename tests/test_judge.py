@@ -111,25 +111,21 @@ def test_a_dropped_group_gets_no_reward_and_a_judged_unlabelled_one_does():
 
 # -- a judge served by the flowopt gateway, over real HTTP --------------------------------------------
 class _JudgeDemonstrations:
-    """Judge conversations to fine-tune a tiny model on: adder trajectories graded absolutely and
-    in pairs, with the verdict the prompt asks for (1 when the answer is the sum)."""
+    """Judge conversations to fine-tune a tiny model on: adder trajectories graded in absolute
+    mode, with the verdict the prompt asks for (1 when the answer is the sum). Relative replies
+    are longer than a tiny model learns in seconds, so the relative path is tested over HTTP as
+    the refusal it then is (and its parsing on its own, above)."""
 
     tools = None
 
     def __init__(self, n: int, seed: int = 0):
         rng, self.items = random.Random(seed), []
-        for i in range(n):
+        for _ in range(n):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            good, bad = _trajectory(0, a, b, a + b), _trajectory(1, a, b, a + b + rng.randint(1, 5))
-            if i % 3 == 0:
-                t = rng.choice([good, bad])
-                reply = {"score": int(t is good)}
-                messages = absolute_messages(render_trajectory(t), RUBRIC)
-            else:
-                pair = [good, bad] if rng.random() < 0.5 else [bad, good]
-                reply = {"scores": [{"id": k + 1, "score": int(t is good)} for k, t in enumerate(pair)]}
-                messages = relative_messages([render_trajectory(t) for t in pair], RUBRIC)
-            self.items.append([*messages, {"role": "assistant", "content": json.dumps(reply)}])
+            good = rng.random() < 0.5
+            t = _trajectory(0, a, b, a + b if good else a + b + rng.randint(1, 5))
+            reply = {"score": int(good)}
+            self.items.append([*absolute_messages(render_trajectory(t), RUBRIC), {"role": "assistant", "content": json.dumps(reply)}])
 
     def tasks(self, split=None):
         return list(range(len(self.items)))
@@ -148,8 +144,8 @@ def judge_policy_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("judge_policy")
     result = build_base_policy(
-        PolicyStore(str(root)), AdapterRegistry(root=str(root)), _JudgeDemonstrations(300), TinyModelConfig(max_position_embeddings=512),
-        SFTConfig(steps=100, batch_size=8), 300, by="test",
+        PolicyStore(str(root)), AdapterRegistry(root=str(root)), _JudgeDemonstrations(200), TinyModelConfig(max_position_embeddings=512),
+        SFTConfig(steps=40, batch_size=8), 200, by="test",
     )  # fmt: skip
     assert result.final_loss < 0.5, result  # it answers in the judge's JSON
     return root
@@ -164,19 +160,19 @@ def _groups(n: int, seed: int) -> dict[str, list[Trajectory]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["absolute", "relative"])
-def test_the_gateway_as_judge_scores_groups_counts_tokens_and_cost_and_caches(judge_policy_dir, tmp_path, mode):
+def test_the_gateway_as_judge_scores_groups_counts_tokens_and_cost_and_caches(judge_policy_dir, tmp_path):
     from flow_assets.policy.store import PolicyStore
 
     groups = _groups(6, seed=1)
-    settings = JudgeSettings(model="policy", mode=mode, rubric=RUBRIC, max_tokens=72, concurrency=4, input_usd_per_mtok=2.0, output_usd_per_mtok=8.0)
+    settings = JudgeSettings(model="policy", mode="absolute", rubric=RUBRIC, max_tokens=24, concurrency=4, input_usd_per_mtok=2.0, output_usd_per_mtok=8.0)
+    relative = JudgeSettings(model="policy", mode="relative", rubric=RUBRIC, max_tokens=24)
     cache = JudgeCache(tmp_path / "cache")
     with PolicyStore(str(judge_policy_dir)).gateway(tmp_path / "landing") as server:
         first = judge_groups_sync(groups, settings, server.url + "/v1", "unused", cache)
         again = judge_groups_sync(groups, settings, server.url + "/v1", "unused", cache)
+        ranked = judge_groups_sync(groups, relative, server.url + "/v1", "unused", cache)
     totals = judge_totals(first)
-    per_group = 1 if mode == "relative" else 2
-    assert totals["calls"] == len(groups) * per_group and totals["cached"] == 0
+    assert totals["calls"] == 2 * len(groups) and totals["cached"] == 0  # one request per trajectory
     assert totals["groups_scored"] >= len(groups) // 2, [v.error for v in first]  # the fine-tuned judge mostly answers in JSON
     for verdict in first:
         if verdict.error is None:
@@ -188,8 +184,11 @@ def test_the_gateway_as_judge_scores_groups_counts_tokens_and_cost_and_caches(ju
     assert totals["cost_usd"] == pytest.approx((2.0 * totals["prompt_tokens"] + 8.0 * totals["completion_tokens"]) / 1e6)
     # the second pass: every reply that parsed comes from the cache, only failures are asked again
     repeat = judge_totals(again)
-    assert repeat["cached"] == totals["groups_scored"] * per_group
+    assert repeat["cached"] >= 2 * totals["groups_scored"] and repeat["calls"] + repeat["cached"] == 2 * len(groups)
     assert [v.scores for v in again if v.error is None] == [v.scores for v in first if v.error is None]
+    # relative mode: one request per group, whose reply this judge cannot give: every group dropped
+    assert judge_totals(ranked)["calls"] == len(groups)
+    assert all(v.scores == {} and 'no JSON object with a "scores" list' in v.error for v in ranked)
 
 
 def test_an_unreachable_judge_drops_every_group_with_the_reason(tmp_path):
@@ -226,7 +225,7 @@ def test_the_rewards_asset_asks_the_judge_and_drops_what_it_cannot_score(judge_p
     shutil.copy(shared_data / "tau-bench" / "gpt-4o-airline.json", landing / "tau-bench.json")
     (tmp_path / "home").mkdir()
     with PolicyStore(str(judge_policy_dir)).gateway(tmp_path / "judge-landing") as server:
-        judge = JudgeEndpoint(base_url=server.url + "/v1", model="policy", mode="relative", rubric=RUBRIC, max_tokens=72, max_retries=0,
+        judge = JudgeEndpoint(base_url=server.url + "/v1", model="policy", mode="absolute", rubric=RUBRIC, max_tokens=24, max_retries=0,
                               cache_dir=str(tmp_path / "cache"))  # fmt: skip
         defs = build_definitions(str(tmp_path / "lake"), str(landing), models_root=str(tmp_path / "models"), settle_seconds=0, judge=judge)
         with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
@@ -242,13 +241,13 @@ def test_the_rewards_asset_asks_the_judge_and_drops_what_it_cannot_score(judge_p
     adder_key = next(k for k in done.succeeded if k.startswith("adder"))
     tau_key = next(k for k in done.succeeded if k.startswith("tau-bench"))
     adder, tau = lake.read_partition("rewards", adder_key), lake.read_partition("rewards", tau_key)
-    assert meta[adder_key]["judge_requests"].value == 5 and meta[adder_key]["judge_model"].value == "policy"
+    assert meta[adder_key]["judge_requests"].value == 10 and meta[adder_key]["judge_model"].value == "policy"
     assert meta[adder_key]["judge_groups_scored"].value + meta[adder_key]["judge_groups_dropped"].value == 5
     scored = adder.filter(pl.col("judge_error").is_null())
     assert scored.height >= 4 and scored["r_judge"].is_between(0, 1).all()
     assert (scored["reward"] - scored["r_outcome"] - scored["r_judge"] - scored["r_tool_success"] - scored["r_verify"]
             - scored["r_step_penalty"] - scored["r_custom"]).abs().max() < 1e-9  # fmt: skip
-    # tau-bench: 50 tasks x 4 trials, each group's prompt longer than the judge's 512 tokens
+    # tau-bench: 50 tasks x 4 trials, each trajectory's prompt longer than the judge's 512 tokens
     assert meta[tau_key]["judge_groups_dropped"].value == 50 and meta[tau_key]["judge_groups_scored"].value == 0
     assert "context_length_exceeded" in meta[tau_key]["judge_dropped"].value or "maximum context length" in meta[tau_key]["judge_dropped"].value
     assert tau["reward"].null_count() == tau.height == 200 and tau["judge_error"].null_count() == 0
