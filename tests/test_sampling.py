@@ -109,3 +109,34 @@ def test_row_sampler_draws_from_each_rows_tempered_nucleus():
     assert counts[1, 0] == 4000  # T = 0: argmax
     assert torch.allclose(counts[2] / 4000, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
     assert math.isclose(float(counts.sum()), 12000)
+
+
+def test_grouped_query_attention_is_safe_across_threads_and_restores_the_environment(monkeypatch):
+    import os
+    import threading
+    import time
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    errors, inside, start = [], [], threading.Barrier(8)
+
+    def user():
+        try:
+            start.wait()
+            for _ in range(50):
+                with sampling.grouped_query_attention():
+                    time.sleep(0.0005)  # overlap: another thread exits while this one samples
+                    inside.append(os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"))
+        except Exception as exc:  # a KeyError here is the race this guards against
+            errors.append(exc)
+
+    threads = [threading.Thread(target=user) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and set(inside) == {"1"} and len(inside) == 400
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    with sampling.grouped_query_attention():
+        assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"

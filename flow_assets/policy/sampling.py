@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -185,23 +186,40 @@ def _max_positions(model: PreTrainedModel) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+_GQA_KEY = "TRANSFORMERS_SDPA_FORCE_GQA"
+_gqa_lock = threading.Lock()
+_gqa_users = 0
+_gqa_before: str | None = None
+
+
 @contextlib.contextmanager
 def grouped_query_attention() -> Iterator[None]:
     """Let Hugging Face's SDPA attention hand grouped key/value heads to PyTorch as they are
     (``enable_gqa``) instead of repeating them per query head, also when an attention mask is
-    given (``TRANSFORMERS_SDPA_FORCE_GQA=1``, read at each call; restored on exit). The result is
-    the same to float precision (measured: log-probs within 2e-5); on 2 CPU cores, with
-    SmolLM2's 3 key/value heads for 9 query heads, the copies it saves were a third of a
-    prefill and a fifth of a decode step of 192 rows."""
-    key, before = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
-    os.environ[key] = "1"
+    given (``TRANSFORMERS_SDPA_FORCE_GQA=1``, read at each call; restored when the last user
+    exits). The result is the same to float precision (measured: log-probs within 2e-5); on 2 CPU
+    cores, with SmolLM2's 3 key/value heads for 9 query heads, the copies it saves were a third
+    of a prefill and a fifth of a decode step of 192 rows.
+
+    Thread-safe: the variable is process-wide and the gateway's batcher samples in its own thread
+    while a run's main thread may evaluate, so users are counted under a lock (two threads each
+    removing it raised ``KeyError`` in ``os.environ.pop``, seen in a demo run)."""
+    global _gqa_users, _gqa_before
+    with _gqa_lock:
+        if _gqa_users == 0:
+            _gqa_before = os.environ.get(_GQA_KEY)
+            os.environ[_GQA_KEY] = "1"
+        _gqa_users += 1
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        with _gqa_lock:
+            _gqa_users -= 1
+            if _gqa_users == 0:
+                if _gqa_before is None:
+                    os.environ.pop(_GQA_KEY, None)
+                else:
+                    os.environ[_GQA_KEY] = _gqa_before
 
 
 #: rows sharing at least this many leading tokens have them computed once (module docstring)
