@@ -248,7 +248,7 @@ def _print_round(line: dict, progress: str) -> None:
     calls = line["mean_llm_calls"]
     print(
         f"{line['round']:>5}  {line['champion']:>8}  {_rate(line['greedy_success']):>6}  {line['sampled_success']:>7.3f}  "
-        f"{line['mean_reward']:>6.3f}  {calls if calls is None else f'{calls:.2f}':>5}  {line['seconds']:>7.1f}  "
+        f"{line['mean_reward']:>6.3f}  {'-' if calls is None else f'{calls:.2f}':>5}  {line['seconds']:>7.1f}  "
         f"({line['generation_seconds']:.1f} / {line['training_seconds']:.1f} / {line['other_seconds']:.1f})  "
         + ("promoted" if line["promoted"] else "blocked: " + ", ".join(n for n, g in line["gate"].items() if not g["passed"]))
         + f"  [{progress}]",
