@@ -57,3 +57,21 @@ def fresh_policy_dir(tmp_path_factory) -> Path:
 def calculator_policy_dir(tmp_path_factory) -> Path:
     """A tiny policy warm-started on calculator conversations: it calls its tool, then answers."""
     return make_policy_dir(tmp_path_factory.mktemp("calculator_policy"), sft_steps=200)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``flowopt <argv>`` in this process: ``(exit code, stdout, stderr)``. The same ``main`` the
+    console script calls, without paying a new interpreter's imports (torch, Dagster) per call;
+    tests that need the installed script itself run it as a subprocess."""
+    import contextlib
+    import io
+
+    from flow_assets.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse refusing its arguments
+            rc = exc.code if isinstance(exc.code, int) else 2
+    return rc, out.getvalue(), err.getvalue()

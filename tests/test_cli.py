@@ -11,15 +11,19 @@ from dagster import DagsterInstance
 from flow_assets.logs.reader import parse_file
 from flow_assets.partitions import log_batches
 from resources.lake import TrajectoryLake
-from tests.conftest import SHARED_DATA, TAU_BENCH
+from tests.conftest import SHARED_DATA, TAU_BENCH, run_cli
 
 FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
 
 
-def _ingest(tmp_path, *paths, extra=()):
-    cmd = [FLOWOPT, "ingest", *map(str, paths), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
-           "--home", str(tmp_path / "home"), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def _ingest(tmp_path, *paths, extra=(), console_script=False):
+    """``flowopt ingest``: in this process (the CLI's own ``main``), or through the installed
+    console script as a user runs it (``console_script``; the first test does, once)."""
+    args = ["ingest", *map(str, paths), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
+            "--home", str(tmp_path / "home"), *extra]  # fmt: skip
+    if not console_script:
+        return run_cli(args)
+    done = subprocess.run([FLOWOPT, *args], capture_output=True, text=True, timeout=300)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -30,7 +34,7 @@ def test_ingest_prints_a_summary_per_file_and_registers_partitions(tmp_path):
     lines[5] = lines[5].replace('"task_id"', '"task_idx"', 1)
     jsonl = tmp_path / "button.jsonl"
     jsonl.write_text("\n".join(lines) + "\n")
-    rc, out, err = _ingest(tmp_path, TAU_BENCH, jsonl)
+    rc, out, err = _ingest(tmp_path, TAU_BENCH, jsonl, console_script=True)
     assert rc == 0, err[-3000:]
     report = json.loads(out)
     by_file = {Path(f["file"]).name: f for f in report["files"]}

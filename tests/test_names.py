@@ -4,8 +4,6 @@ or crash)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +11,10 @@ from dagster import DagsterInstance
 
 from flow_assets.ingest import IngestUsageError, resolve_arguments
 from flow_assets.partitions import log_batches
+from tests.conftest import run_cli
 from sensors.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component, key_source
 from tests.conftest import SHARED_DATA, TAU_BENCH
 
-FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
 SHA = "0123456789abcdef" * 4
 
 
@@ -58,10 +56,8 @@ def test_a_component_from_bytes_that_are_not_utf8_is_encoded_from_the_bytes():
 
 
 def _ingest(tmp_path, *args):
-    cmd = [FLOWOPT, "ingest", *map(str, args), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
-           "--home", str(tmp_path / "home")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return done.returncode, done.stdout, done.stderr
+    return run_cli(["ingest", *map(str, args), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"),
+                    "--home", str(tmp_path / "home")])  # fmt: skip
 
 
 @pytest.mark.parametrize("source", ["/tmp/abs", "a/b", ".", "..", "tab\there", ".hidden", "x.tmp", "", "x" * 201])
