@@ -194,6 +194,53 @@ def _registry_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bus_config(args: argparse.Namespace):
+    from flow_assets.rabbitmq.consumer import DEFAULT_URL, BusConfig
+
+    return BusConfig(
+        url=args.url or os.environ.get("FLOWOPT_AMQP_URL", DEFAULT_URL),
+        landing=Path(getattr(args, "landing", None) or os.environ.get("FLOWOPT_LANDING", ".landing")),
+        queue_prefix=args.queue_prefix,
+        **{k: v for k, v in vars(args).items() if k in ("max_records", "window_s", "unlabelled_timeout_s", "task_ttl_s", "prefetch", "idle_exit_s")},
+    )
+
+
+def _bus_consume(args: argparse.Namespace) -> int:
+    import pika.exceptions
+
+    from flow_assets.rabbitmq.consumer import BusConsumer
+
+    config = _bus_config(args)
+    print(f"flowopt bus consume: {config.url.split('@')[-1]} queues {', '.join(config.queue(k) for k in ('tasks', 'responses', 'rewards'))} "
+          f"-> {config.landing / 'bus'}", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        stats = BusConsumer(config).run()
+    except pika.exceptions.AMQPConnectionError as exc:
+        print(f"flowopt bus consume: cannot reach the broker at {config.url.split('@')[-1]}: {exc!r}", file=sys.stderr)
+        return 1
+    print(json.dumps({**vars(stats), "landing": str(config.landing / "bus")}, indent=2))
+    return 0
+
+
+def _bus_publish(args: argparse.Namespace) -> int:
+    from flow_assets.rabbitmq.consumer import publish
+
+    config = _bus_config(args)
+    messages = []
+    for number, line in enumerate(Path(args.file).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            messages.append((item["queue"], item.get("message_id") or f"{Path(args.file).name}:{number}", item["body"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"flowopt bus publish: {args.file}, line {number}: expected {{\"queue\", \"message_id\", \"body\"}}: {exc!r}", file=sys.stderr)
+            return 2
+    sent = publish(config.url, messages, config.queue_prefix)
+    print(json.dumps({"published": sent}))
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     from flow_assets.logs.schema import json_schema
 
@@ -324,6 +371,28 @@ def main(argv: list[str] | None = None) -> int:
     rebuild = registry_sub.add_parser("rebuild", help="rebuild a damaged registry.json from its history event files")
     rebuild.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
     rebuild.set_defaults(fn=_registry_rebuild)
+    bus = sub.add_parser("bus", help="the RabbitMQ message-bus source: tasks, responses and rewards landed as log batches")
+    bus_sub = bus.add_subparsers(dest="bus_command", required=True)
+    for name in ("consume", "publish"):
+        cmd = bus_sub.add_parser(
+            name,
+            help="consume the queues and land joined records (runs until SIGTERM)" if name == "consume" else "publish messages from a JSONL file",
+        )
+        cmd.add_argument("--url", default=None, help="AMQP URL (default $FLOWOPT_AMQP_URL, else amqp://guest:guest@127.0.0.1:5672/%%2F)")
+        cmd.add_argument("--queue-prefix", default="", help="prefix of the queue names tasks / responses / rewards")
+        if name == "publish":
+            cmd.add_argument("file", help='JSONL, one {"queue": "tasks|responses|rewards", "message_id": ..., "body": {...}} per line')
+            cmd.set_defaults(fn=_bus_publish)
+            continue
+        cmd.add_argument("--landing", default=None, help="landing directory (default $FLOWOPT_LANDING, else .landing); batches go to its bus/")
+        cmd.add_argument("--max-records", dest="max_records", type=int, default=1000, help="records per batch file (default 1000)")
+        cmd.add_argument("--window-seconds", dest="window_s", type=float, default=60.0, help="land a smaller batch this long after its first record (default 60)")
+        cmd.add_argument("--unlabelled-timeout", dest="unlabelled_timeout_s", type=float, default=600.0,
+                         help="seconds a response waits for its reward before it is landed unlabelled (default 600)")  # fmt: skip
+        cmd.add_argument("--task-ttl", dest="task_ttl_s", type=float, default=3600.0, help="seconds a task is kept for later responses (default 3600)")
+        cmd.add_argument("--prefetch", type=int, default=10_000, help="most unacknowledged messages at once (default 10000)")
+        cmd.add_argument("--idle-exit", dest="idle_exit_s", type=float, default=None, help="exit after this many idle seconds (default: never)")
+        cmd.set_defaults(fn=_bus_consume)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)
