@@ -31,36 +31,34 @@ class TaskMessage(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-class ResponseMessage(BaseModel):
+class _ServedBy(BaseModel):
+    """A message that may name the adapter that served the response it is about."""
+
+    adapter_version: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def adapter(self) -> str | None:
+        """``adapter_version``, else ``metadata.adapter_version`` when it is a string."""
+        fallback = self.metadata.get("adapter_version")
+        return self.adapter_version or (fallback if isinstance(fallback, str) else None)
+
+
+class ResponseMessage(_ServedBy):
     """An agent's response to a task; ``adapter_version`` says which adapter served it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     task_id: str = Field(min_length=1)
     response: str
     agent_id: str = Field(min_length=1)
-    adapter_version: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-    def adapter(self) -> str | None:
-        """``adapter_version``, else ``metadata.adapter_version`` when it is a string."""
-        fallback = self.metadata.get("adapter_version")
-        return self.adapter_version or (fallback if isinstance(fallback, str) else None)
 
 
-class RewardMessage(BaseModel):
+class RewardMessage(_ServedBy):
     """A scoring agent's score of a response (unitless; the flat format reads >= 0.5 as success)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     task_id: str = Field(min_length=1)
     score: FiniteFloat
     scoring_agent_id: str = Field(min_length=1)
-    adapter_version: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-    def adapter(self) -> str | None:
-        """``adapter_version``, else ``metadata.adapter_version`` when it is a string."""
-        fallback = self.metadata.get("adapter_version")
-        return self.adapter_version or (fallback if isinstance(fallback, str) else None)
 
 
 MODELS: dict[str, type[BaseModel]] = {"tasks": TaskMessage, "responses": ResponseMessage, "rewards": RewardMessage}
