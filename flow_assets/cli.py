@@ -241,6 +241,21 @@ def _bus_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flow_assets.api.server import create_app, deployment_service, training_dispatcher
+
+    tokens = [t.strip() for t in os.environ.get("FLOWOPT_API_TOKENS", "").split(",") if t.strip()]
+    if not tokens:
+        print("flowopt api: set FLOWOPT_API_TOKENS (comma-separated bearer tokens); without one every call is refused", file=sys.stderr)
+        return 2
+    instance = local_instance(args.home)
+    service = deployment_service(instance, args.dagster_url)
+    uvicorn.run(create_app(training_dispatcher(service), tokens, service), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     from flow_assets.logs.schema import json_schema
 
@@ -393,6 +408,18 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--prefetch", type=int, default=10_000, help="most unacknowledged messages at once (default 10000)")
         cmd.add_argument("--idle-exit", dest="idle_exit_s", type=float, default=None, help="exit after this many idle seconds (default: never)")
         cmd.set_defaults(fn=_bus_consume)
+    api = sub.add_parser(
+        "api",
+        help="the JSON-RPC 2.0 training API (training.start_grpo, get_status, list_jobs, cancel) on Dagster runs",
+        description="Serves POST /rpc (bearer tokens from FLOWOPT_API_TOKENS), GET /metrics (Prometheus) and GET /health. "
+        "Jobs are runs of training_round_job submitted through the Dagster webserver's GraphQL API and read from the instance.",
+    )
+    api.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    api.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    api.add_argument("--dagster-url", default=os.environ.get("FLOWOPT_DAGSTER_URL", "http://127.0.0.1:3000"),
+                     help="the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else http://127.0.0.1:3000)")  # fmt: skip
+    api.add_argument("--home", default=None, help="DAGSTER_HOME of the instance (default $DAGSTER_HOME)")
+    api.set_defaults(fn=_api)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)

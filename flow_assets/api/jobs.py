@@ -1,0 +1,169 @@
+"""Training jobs as Dagster runs: what ``training.*`` methods of ``flowopt api`` read and do.
+
+A *job* is not a record of its own: it is the set of runs of ``training_round_job`` that carry
+the tag ``flowopt/job = <job id>``, one per log batch, submitted through the Dagster webserver's
+GraphQL API (so the instance's run coordinator queues them and its daemon launches them, one
+round at a time in the ``training`` pool). Everything a caller sees comes from those runs:
+
+==========  ===========================================================================
+state       when
+==========  ===========================================================================
+queued      no run has started (all queued / not started)
+running     a run is starting or started, or some finished and others wait
+completed   every run succeeded
+failed      a run failed (a blocked round is not a failure: see ``rounds``)
+cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
+==========  ===========================================================================
+
+``rounds`` counts finished rounds and which were promoted or blocked (the gate's verdict is the
+run tag ``flowopt/gate``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from pydantic import BaseModel, Field
+
+from flow_assets.api.jsonrpc import INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
+
+JOB_TAG = "flowopt/job"
+AGENT_TAG = "flowopt/job_agent"
+ROUND_TAG = "flowopt/job_round"
+GATE_TAG = "flowopt/gate"
+TRAINING_JOB = "training_round_job"
+
+_QUEUED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
+_ACTIVE = {DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING}
+_FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+
+
+class StartGrpoParams(BaseModel):
+    """``training.start_grpo``: train ``agent_id``'s policy on ``log_batches`` (partition keys, in
+    order, one round each), with run-config ``config`` overrides of the training round."""
+
+    agent_id: str = Field(min_length=1, max_length=200)
+    log_batches: list[str] = Field(min_length=1, max_length=1000)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobParams(BaseModel):
+    """A method that names one job."""
+
+    job_id: str = Field(min_length=1, max_length=100)
+
+
+class ListJobsParams(BaseModel):
+    """``training.list_jobs``: the newest ``limit`` jobs, optionally only those in ``state``."""
+
+    state: str | None = Field(None, pattern="^(queued|running|completed|failed|cancelled)$")
+    limit: int = Field(100, ge=1, le=1000)
+
+
+def job_state(statuses: list[DagsterRunStatus]) -> str:
+    """The job state of its runs' statuses (table in the module docstring)."""
+    if any(s == DagsterRunStatus.CANCELED for s in statuses):
+        return "cancelled"
+    if any(s == DagsterRunStatus.FAILURE for s in statuses):
+        return "failed"
+    if statuses and all(s == DagsterRunStatus.SUCCESS for s in statuses):
+        return "completed"
+    if all(s in _QUEUED for s in statuses):
+        return "queued"
+    return "running"
+
+
+@dataclass
+class JobService:
+    """The jobs of one Dagster deployment.
+
+    Args:
+        instance: the deployment's instance (runs are read from it).
+        submit: ``submit(job_name, run_config, tags) -> run id`` (the GraphQL client's
+            ``submit_job_execution`` in a deployment).
+        terminate: ``terminate(run_ids)`` (the GraphQL client's ``terminate_runs``).
+        partitions: ``() -> set of log batch keys`` that exist.
+    """
+
+    instance: DagsterInstance
+    submit: Any
+    terminate: Any
+    partitions: Any
+
+    def _runs(self, job_id: str) -> list:
+        runs = self.instance.get_runs(RunsFilter(tags={JOB_TAG: job_id}))
+        if not runs:
+            raise RpcError(UNKNOWN_JOB, f"unknown job {job_id!r}")
+        return sorted(runs, key=lambda r: int(r.tags.get(ROUND_TAG, "0")))
+
+    def start_grpo(self, params: StartGrpoParams) -> dict[str, Any]:
+        """Submit one training round per log batch; returns the job's status.
+
+        Raises:
+            RpcError(INVALID_PARAMS): a batch that is not a log batch partition (named by index).
+        """
+        known = self.partitions()
+        for i, key in enumerate(params.log_batches):
+            if key not in known:
+                raise RpcError(INVALID_PARAMS, f"invalid params: log_batches.{i}: no log batch {key!r}", {"errors": [{"field": f"log_batches.{i}", "message": "unknown log batch"}]})
+        job_id = "job-" + uuid.uuid4().hex[:12]
+        for i, key in enumerate(params.log_batches, start=1):
+            tags = {"dagster/partition": key, JOB_TAG: job_id, AGENT_TAG: params.agent_id, ROUND_TAG: str(i)}
+            self.submit(TRAINING_JOB, params.config or None, tags)
+        return self.get_status(JobParams(job_id=job_id))
+
+    def get_status(self, params: JobParams) -> dict[str, Any]:
+        """State, progress and per-round runs of a job.
+
+        Raises:
+            RpcError(UNKNOWN_JOB): no run carries that job id.
+        """
+        runs = self._runs(params.job_id)
+        statuses = [r.status for r in runs]
+        finished = [r for r in runs if r.status in _FINISHED]
+        current = next((r for r in runs if r.status in _ACTIVE), None)
+        return {
+            "job_id": params.job_id,
+            "agent_id": runs[0].tags.get(AGENT_TAG),
+            "state": job_state(statuses),
+            "progress": {"rounds_done": len(finished), "rounds_planned": len(runs), "current_batch": current.tags.get("dagster/partition") if current else None},
+            "rounds": [
+                {"round": int(r.tags.get(ROUND_TAG, "0")), "batch": r.tags.get("dagster/partition"), "run_id": r.run_id,
+                 "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG)}  # fmt: skip
+                for r in runs
+            ],
+        }
+
+    def list_jobs(self, params: ListJobsParams) -> list[dict[str, Any]]:
+        """The newest jobs (by their first run), with their states."""
+        runs = self.instance.get_runs(RunsFilter(job_name=TRAINING_JOB))
+        jobs: dict[str, list] = {}
+        for run in runs:  # newest first
+            job = run.tags.get(JOB_TAG)
+            if job:
+                jobs.setdefault(job, []).append(run)
+        out = []
+        for job_id, mine in jobs.items():
+            state = job_state([r.status for r in mine])
+            if params.state in (None, state):
+                out.append({"job_id": job_id, "agent_id": mine[0].tags.get(AGENT_TAG), "state": state, "rounds_planned": len(mine)})
+            if len(out) >= params.limit:
+                break
+        return out
+
+    def cancel(self, params: JobParams) -> dict[str, Any]:
+        """Cancel every run of the job that has not finished (queued ones never start; a running
+        round is terminated, its checkpoint kept).
+
+        Raises:
+            RpcError(UNKNOWN_JOB / INVALID_STATE): no such job, or it has already finished.
+        """
+        runs = self._runs(params.job_id)
+        open_runs = [r.run_id for r in runs if r.status not in _FINISHED]
+        if not open_runs:
+            raise RpcError(INVALID_STATE, f"job {params.job_id!r} has finished ({job_state([r.status for r in runs])}); nothing to cancel")
+        self.terminate(open_runs)
+        return self.get_status(params)
