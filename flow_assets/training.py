@@ -182,6 +182,26 @@ class TrainConfig(TrainerRunConfig):
     kl_samples: int | None = Field(256, description="turn rows the gate's KL to the behaviour policy is estimated on (null: all)")
 
 
+def _check_job_budget(context: AssetExecutionContext, lake: TrajectoryLake) -> None:
+    """A round of an API job (run tags ``flowopt/job``, ``flowopt/job_budget_usd``) starts only
+    while its agent's spend this month is under the job's budget; otherwise the run fails with the
+    tag ``flowopt/job_failure = budget`` and the job stops at this round boundary."""
+    from flow_assets.api.budget import lake_spend
+    from flow_assets.api.jobs import AGENT_TAG, BUDGET_TAG, FAILURE_TAG, JOB_TAG
+
+    tags = context.run.tags
+    if JOB_TAG not in tags or BUDGET_TAG not in tags:
+        return
+    budget, spent = float(tags[BUDGET_TAG]), lake_spend(lake, tags.get(AGENT_TAG, ""))
+    context.log.info(f"job {tags[JOB_TAG]}: {spent.agent_id} spent USD {spent.total_usd:.4f} of {budget:.2f} in {spent.month}")
+    if spent.total_usd >= budget:
+        context.instance.add_run_tags(context.run_id, {FAILURE_TAG: "budget"})
+        raise Failure(
+            f"budget: {spent.agent_id} spent USD {spent.total_usd:.4f} of its {budget:.2f} in {spent.month}; the job stops before this round",
+            metadata={"spent_usd": spent.total_usd, "budget_usd": budget, "prompt_tokens": spent.prompt_tokens, "completion_tokens": spent.completion_tokens},
+        )
+
+
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages, champion], pool=POOL,
        owners=TRAINING_OWNERS, code_version=code_version("flow_assets.rl.grpo_loss", "flow_assets.policy", "flow_assets.rounds"))
 def policy_checkpoint(
@@ -197,6 +217,7 @@ def policy_checkpoint(
     GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
     Each step is logged to the run log and, when set, to the experiment tracker."""
     key = context.partition_key
+    _check_job_budget(context, lake)
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
     trainer = config.to_pure(output_dir="")
     tracker = tracking.open(tasks.agent_id, key)

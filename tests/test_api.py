@@ -2,6 +2,7 @@
 through a real dagster-webserver's GraphQL API and read back from the instance (no daemon runs
 here, so submitted rounds stay queued until cancelled)."""
 
+import json
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -42,8 +44,18 @@ def api(tmp_path_factory):
     home.mkdir()
     shutil.copyfile(REPO / "dagster.yaml", home / "dagster.yaml")
     paths = {"FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"), "FLOWOPT_MODELS": str(root / "models")}
-    rc, out, err = run_cli(["ingest", TAU_BENCH, "--landing", paths["FLOWOPT_LANDING"], "--lake", paths["FLOWOPT_LAKE"], "--home", home])
+    # an agent whose steps the gateway served (token ids): 3 trajectories of 200 prompt / 20 completion tokens
+    served = root / "adder.jsonl"
+    served.write_text("".join(json.dumps({
+        "trajectory_id": f"adder-{i}", "task_id": f"t{i}", "agent_id": "adder", "query": "1+1", "final_answer": "2",
+        "timestamp": datetime.now(timezone.utc).isoformat(), "outcome": {"success": True},
+        "steps": [{"index": 0, "kind": "answer", "output": "2", "prompt_token_ids": [5] * 200, "token_ids": [6] * 20, "logprobs": [-0.1] * 20}],
+    }) + "\n" for i in range(3)))  # fmt: skip
+    rc, out, err = run_cli(["ingest", TAU_BENCH, served, "--landing", paths["FLOWOPT_LANDING"], "--lake", paths["FLOWOPT_LAKE"], "--home", home])
     assert rc == 0, err
+    prices = {"FLOWOPT_POLICY_INPUT_USD_PER_MTOK": "500", "FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK": "2000"}
+    saved = {k: os.environ.get(k) for k in [*prices, "FLOWOPT_TEST_API_LAKE", "FLOWOPT_TEST_API_LANDING"]}
+    os.environ.update({**prices, "FLOWOPT_TEST_API_LAKE": paths["FLOWOPT_LAKE"], "FLOWOPT_TEST_API_LANDING": paths["FLOWOPT_LANDING"]})
     web_port = _free_port()
     web = subprocess.Popen(
         [str(Path(sys.executable).with_name("dagster-webserver")), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(web_port)],
@@ -51,7 +63,7 @@ def api(tmp_path_factory):
         start_new_session=True,
     )  # fmt: skip
     instance = local_instance(str(home))
-    service = deployment_service(instance, f"http://127.0.0.1:{web_port}")
+    service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=paths["FLOWOPT_LAKE"])
     config = uvicorn.Config(create_app(training_dispatcher(service), [TOKEN, "other"], service), host="127.0.0.1", port=_free_port(), log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -68,13 +80,18 @@ def api(tmp_path_factory):
             time.sleep(1)
         while not server.started:
             time.sleep(0.05)
-        key = instance.get_dynamic_partitions("log_batches")[0]
+        key = next(k for k in instance.get_dynamic_partitions("log_batches") if k.startswith("tau-bench"))
         yield f"http://127.0.0.1:{config.port}", key, instance
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         os.killpg(web.pid, signal.SIGTERM)
         web.wait(timeout=60)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _rpc(url: str, method: str, params=None, token: str | None = TOKEN, ident=1):
@@ -121,3 +138,50 @@ def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api):
     metrics = httpx.get(url + "/metrics").text
     assert 'flowopt_api_requests_total{method="training.start_grpo",outcome="ok"}' in metrics
     assert 'flowopt_api_jobs{state="cancelled"}' in metrics and "flowopt_api_request_seconds_bucket" in metrics
+
+
+def test_spend_counts_served_tokens_and_judge_cost_per_agent_and_month():
+    import polars as pl
+
+    from flow_assets.api.budget import Prices, agent_spend, month_of
+
+    now = month_of()
+    trajectories = pl.LazyFrame({"trajectory_id": ["a", "b", "c", "d"], "agent_id": ["x", "x", "x", "y"],
+                                 "timestamp": ["2026-01-05T10:00:00+00:00", f"{now}-01T00:00:00+00:00", None, f"{now}-02T00:00:00+00:00"]})  # fmt: skip
+    steps = pl.LazyFrame({"trajectory_id": ["a", "b", "b", "c", "d"], "prompt_token_ids": [[1] * 10, [1] * 100, None, [1] * 7, [1] * 1000],
+                          "token_ids": [[2] * 5, [2] * 20, [2] * 3, None, [2] * 9]})  # fmt: skip
+    rewards = pl.LazyFrame({"trajectory_id": ["a", "b", "c", "d"], "judge_cost_usd": [1.0, 0.25, None, 9.0]})
+    prices = Prices(policy_input_usd_per_mtok=2.0, policy_output_usd_per_mtok=10.0)
+    spent = agent_spend(trajectories, steps, rewards, "x", now, prices)
+    # b and c (no timestamp: counted now); a is another month, d another agent
+    assert (spent.prompt_tokens, spent.completion_tokens) == (107, 23)
+    assert spent.judge_usd == 0.25 and spent.total_usd == pytest.approx(0.25 + (107 * 2 + 23 * 10) / 1e6)
+    assert agent_spend(trajectories, steps, rewards, "x", "2026-01", prices).prompt_tokens == 10
+    old = agent_spend(trajectories, steps, rewards.select("trajectory_id"), "x", now, prices)  # a lake from before judge costs
+    assert old.judge_usd == 0.0
+
+
+def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_out(api, tmp_path):
+    from flow_assets.api.budget import lake_spend
+    from flow_assets.api.jobs import JobParams, JobService
+    from flow_assets.api.jsonrpc import BUDGET_EXCEEDED
+    from flow_assets.definitions import build_definitions
+    from resources.lake import TrajectoryLake
+
+    url, key, instance = api
+    lake = TrajectoryLake(root=os.environ["FLOWOPT_TEST_API_LAKE"])
+    spent = lake_spend(lake, "adder")
+    assert spent.prompt_tokens == 600 and spent.completion_tokens == 60 and spent.total_usd == pytest.approx((600 * 500 + 60 * 2000) / 1e6)
+    refused = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.3}).json()["error"]
+    assert refused["code"] == BUDGET_EXCEEDED and refused["data"]["spend"]["total_usd"] == pytest.approx(0.42)
+    started = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.5}).json()["result"]
+    assert started["budget_usd"] == 0.5 and started["spend"]["total_usd"] == pytest.approx(0.42)
+    _rpc(url, "training.cancel", {"job_id": started["job_id"]})
+    # the round boundary: a queued round of a job whose budget is spent by the time it starts fails
+    # before training, and the job reads failed / budget
+    defs = build_definitions(lake.root, os.environ["FLOWOPT_TEST_API_LANDING"], models_root=str(tmp_path / "models"), settle_seconds=0)
+    tags = {"flowopt/job": "job-budget", "flowopt/job_agent": "adder", "flowopt/job_round": "1", "flowopt/job_budget_usd": "0.4"}
+    result = defs.resolve_job_def("training_round_job").execute_in_process(partition_key=key, instance=instance, tags=tags, raise_on_error=False)
+    assert not result.success
+    status = JobService(instance, None, None, lambda: set(), spend=lambda a: lake_spend(lake, a)).get_status(JobParams(job_id="job-budget"))
+    assert status["state"] == "failed" and status["reason"] == "budget"

@@ -16,7 +16,10 @@ cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
 ==========  ===========================================================================
 
 ``rounds`` counts finished rounds and which were promoted or blocked (the gate's verdict is the
-run tag ``flowopt/gate``).
+run tag ``flowopt/gate``). Budget: ``start_grpo`` refuses (-32003) when the agent has spent its
+monthly budget (:mod:`flow_assets.api.budget`); each round checks it again when it starts
+(``policy_checkpoint``) and fails with the run tag ``flowopt/job_failure = budget``, so a job
+whose budget runs out stops at the next round boundary, state ``failed``, reason ``budget``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from typing import Any
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 from pydantic import BaseModel, Field
 
-from flow_assets.api.jsonrpc import INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
+from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
 
 JOB_TAG = "flowopt/job"
 AGENT_TAG = "flowopt/job_agent"
 ROUND_TAG = "flowopt/job_round"
 GATE_TAG = "flowopt/gate"
+BUDGET_TAG = "flowopt/job_budget_usd"
+FAILURE_TAG = "flowopt/job_failure"
 TRAINING_JOB = "training_round_job"
 
 _QUEUED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
@@ -48,6 +53,7 @@ class StartGrpoParams(BaseModel):
     agent_id: str = Field(min_length=1, max_length=200)
     log_batches: list[str] = Field(min_length=1, max_length=1000)
     config: dict[str, Any] = Field(default_factory=dict)
+    budget_usd: float | None = Field(None, gt=0, description="the agent's monthly budget for this job (default FLOWOPT_MONTHLY_BUDGET_USD, 100)")
 
 
 class JobParams(BaseModel):
@@ -86,12 +92,16 @@ class JobService:
             ``submit_job_execution`` in a deployment).
         terminate: ``terminate(run_ids)`` (the GraphQL client's ``terminate_runs``).
         partitions: ``() -> set of log batch keys`` that exist.
+        spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.api.budget`).
+        default_budget_usd: an agent's monthly budget when a job names none, USD.
     """
 
     instance: DagsterInstance
     submit: Any
     terminate: Any
     partitions: Any
+    spend: Any = None
+    default_budget_usd: float = 100.0
 
     def _runs(self, job_id: str) -> list:
         runs = self.instance.get_runs(RunsFilter(tags={JOB_TAG: job_id}))
@@ -109,9 +119,15 @@ class JobService:
         for i, key in enumerate(params.log_batches):
             if key not in known:
                 raise RpcError(INVALID_PARAMS, f"invalid params: log_batches.{i}: no log batch {key!r}", {"errors": [{"field": f"log_batches.{i}", "message": "unknown log batch"}]})
+        budget = params.budget_usd or self.default_budget_usd
+        if self.spend is not None:
+            spent = self.spend(params.agent_id)
+            if spent.total_usd >= budget:
+                raise RpcError(BUDGET_EXCEEDED, f"budget exceeded: {params.agent_id!r} spent USD {spent.total_usd:.2f} of {budget:.2f} in {spent.month}",
+                               {"spend": spent.as_dict(), "budget_usd": budget})  # fmt: skip
         job_id = "job-" + uuid.uuid4().hex[:12]
         for i, key in enumerate(params.log_batches, start=1):
-            tags = {"dagster/partition": key, JOB_TAG: job_id, AGENT_TAG: params.agent_id, ROUND_TAG: str(i)}
+            tags = {"dagster/partition": key, JOB_TAG: job_id, AGENT_TAG: params.agent_id, ROUND_TAG: str(i), BUDGET_TAG: repr(budget)}
             self.submit(TRAINING_JOB, params.config or None, tags)
         return self.get_status(JobParams(job_id=job_id))
 
@@ -125,10 +141,15 @@ class JobService:
         statuses = [r.status for r in runs]
         finished = [r for r in runs if r.status in _FINISHED]
         current = next((r for r in runs if r.status in _ACTIVE), None)
+        agent = runs[0].tags.get(AGENT_TAG)
+        failure = next((r.tags[FAILURE_TAG] for r in runs if FAILURE_TAG in r.tags), None)
         return {
             "job_id": params.job_id,
-            "agent_id": runs[0].tags.get(AGENT_TAG),
+            "agent_id": agent,
             "state": job_state(statuses),
+            "reason": failure,
+            "budget_usd": float(runs[0].tags.get(BUDGET_TAG, self.default_budget_usd)),
+            "spend": self.spend(agent).as_dict() if self.spend is not None and agent else None,
             "progress": {"rounds_done": len(finished), "rounds_planned": len(runs), "current_batch": current.tags.get("dagster/partition") if current else None},
             "rounds": [
                 {"round": int(r.tags.get(ROUND_TAG, "0")), "batch": r.tags.get("dagster/partition"), "run_id": r.run_id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -113,7 +114,7 @@ def _summaries(body: bytes, answer: bytes | None) -> list[tuple[str, str, str | 
     return out
 
 
-def deployment_service(instance, dagster_url: str, location: str = "flowopt") -> JobService:
+def deployment_service(instance, dagster_url: str, location: str = "flowopt", lake_root: str | None = None) -> JobService:
     """The job service of a deployment: runs read from ``instance``, submitted and terminated
     through the webserver's GraphQL API at ``dagster_url`` (``http://host:port``), with the
     ``dagster-graphql`` client.
@@ -135,7 +136,13 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt") ->
     def submit(job_name, run_config, tags):
         return client.submit_job_execution(job_name, repository_location_name=location, run_config=run_config, tags=tags)
 
+    from flow_assets.api.budget import lake_spend, monthly_budget_from_env, prices_from_env
+    from resources.lake import TrajectoryLake
+
+    lake = TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake"))
+    prices = prices_from_env()
     return JobService(
         instance=instance, submit=submit, terminate=lambda run_ids: client.terminate_runs(run_ids),
         partitions=lambda: set(instance.get_dynamic_partitions(log_batches.name)),
+        spend=lambda agent: lake_spend(lake, agent, prices=prices), default_budget_usd=monthly_budget_from_env(),
     )  # fmt: skip

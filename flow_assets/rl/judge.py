@@ -42,6 +42,8 @@ import polars as pl
 from flow_assets.logs.schema import Trajectory
 
 MODES = ("absolute", "relative")
+#: the columns of :func:`judgement_table`
+JUDGEMENT_SCHEMA = {"trajectory_id": pl.String, "judge_score": pl.Float64, "judge_error": pl.String, "judge_cost_usd": pl.Float64}
 
 DEFAULT_RUBRIC = (
     "A good trajectory solves the user's task correctly, uses its tools correctly and only when "
@@ -349,16 +351,20 @@ def judge_groups_sync(*args, **kwargs) -> list[GroupJudgement]:
 
 def judgement_table(judgements: Sequence[GroupJudgement], groups: dict[str, Sequence[Trajectory]]) -> pl.DataFrame:
     """One row per trajectory: ``trajectory_id, judge_score`` (Float64, null when its group was
-    dropped) and ``judge_error`` (String, the reason, null when scored)."""
-    ids, scores, errors = [], [], []
+    dropped), ``judge_error`` (String, the reason, null when scored) and ``judge_cost_usd`` (its
+    group's request cost shared equally by the group's trajectories, USD; paid even when the
+    reply was refused)."""
+    ids, scores, errors, costs = [], [], [], []
     for verdict in judgements:
-        for trajectory in groups[verdict.task_id]:
+        group = groups[verdict.task_id]
+        for trajectory in group:
             ids.append(trajectory.trajectory_id)
             scores.append(verdict.scores.get(trajectory.trajectory_id))
             errors.append(verdict.error)
+            costs.append(verdict.cost_usd / len(group))
     return pl.DataFrame(
-        {"trajectory_id": ids, "judge_score": scores, "judge_error": errors},
-        schema={"trajectory_id": pl.String, "judge_score": pl.Float64, "judge_error": pl.String},
+        {"trajectory_id": ids, "judge_score": scores, "judge_error": errors, "judge_cost_usd": costs},
+        schema=JUDGEMENT_SCHEMA,
     )
 
 

@@ -27,6 +27,7 @@ import polars as pl
 
 from flow_assets.imports import import_function
 from flow_assets.logs.schema import Trajectory
+from flow_assets.rl.judge import JUDGEMENT_SCHEMA
 
 #: A custom reward function: ``fn(trajectory: Trajectory) -> float``. It receives the validated
 #: canonical trajectory (query, steps, final_answer, outcome, metadata) and returns one finite
@@ -145,7 +146,8 @@ def reward_table(
     Returns:
         One row per trajectory, in the input order: ``trajectory_id, task_id, agent_id,
         r_outcome, r_tool_success, r_verify, r_step_penalty, r_custom, r_judge, reward``
-        (Float64) and ``judge_error`` (String; null without a judge). ``reward`` is null for a trajectory
+        (Float64), ``judge_error`` (String) and ``judge_cost_usd`` (Float64, USD; both null
+        without a judge). ``reward`` is null for a trajectory
         with neither a logged outcome nor a judge score (unlabelled), and for one whose group the
         judge dropped (``judge_error`` says why).
     """
@@ -188,14 +190,15 @@ def reward_table(
     )
     terms = ["r_outcome", "r_tool_success", "r_verify", "r_step_penalty", "r_custom"]
     if judge is None:  # the columns exist either way, so every partition of the table has one schema
-        judge = pl.DataFrame(schema={"trajectory_id": pl.String, "judge_score": pl.Float64, "judge_error": pl.String})
+        judge = pl.DataFrame(schema=JUDGEMENT_SCHEMA)
     # an unlabelled trajectory (neither an outcome logged nor a judge score) has no reward yet:
     # shaping terms alone would rank it against labelled ones on length and tool use only
-    table = table.join(judge.select("trajectory_id", "judge_score", "judge_error"), on="trajectory_id", how="left", maintain_order="left")
+    table = table.join(judge.select(*JUDGEMENT_SCHEMA), on="trajectory_id", how="left", maintain_order="left")
     table = table.with_columns(r_judge=(config.judge * pl.col("judge_score")).cast(pl.Float64)).drop("judge_score")
     labelled = pl.col("r_outcome").is_not_null() | pl.col("r_judge").is_not_null()
     return table.select(
         "trajectory_id", "task_id", "agent_id", *terms, "r_judge",
         reward=pl.when(labelled & pl.col("judge_error").is_null()).then(pl.sum_horizontal(*terms, "r_judge")),
         judge_error="judge_error",
+        judge_cost_usd="judge_cost_usd",
     )  # fmt: skip

@@ -1,0 +1,127 @@
+"""Token and cost accounting per agent per calendar month, from what was actually served.
+
+What counts (all of it read from the lake, so it is what the gateway and the judge served, not
+an estimate):
+
+- policy tokens: for every step the gateway captured, its prompt tokens (``prompt_token_ids``)
+  and completion tokens (``token_ids``), priced at ``policy_input_usd_per_mtok`` /
+  ``policy_output_usd_per_mtok`` (USD per million tokens; 0 for a self-hosted model, the default);
+- judge cost: the ``judge_cost_usd`` of each trajectory in the ``rewards`` table (a group's
+  request cost shared equally by its trajectories), already priced by the judge's own prices.
+
+A trajectory belongs to the month (UTC) of its ``timestamp``; one without a timestamp counts in
+the current month, so that nothing escapes the budget. The default budget is USD 100 per agent
+per month (``FLOWOPT_MONTHLY_BUDGET_USD``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import polars as pl
+
+DEFAULT_MONTHLY_BUDGET_USD = 100.0
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Prices of the policy's tokens, USD per million (prompt, completion)."""
+
+    policy_input_usd_per_mtok: float = 0.0
+    policy_output_usd_per_mtok: float = 0.0
+
+
+@dataclass(frozen=True)
+class Spend:
+    """One agent's month: tokens served (prompt, completion), judge USD, total USD."""
+
+    agent_id: str
+    month: str
+    prompt_tokens: int
+    completion_tokens: int
+    judge_usd: float
+    total_usd: float
+
+    def as_dict(self) -> dict:
+        """JSON-ready."""
+        return {"agent_id": self.agent_id, "month": self.month, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "judge_usd": round(self.judge_usd, 6), "total_usd": round(self.total_usd, 6)}  # fmt: skip
+
+
+def month_of(at: datetime | None = None) -> str:
+    """``YYYY-MM`` (UTC) of ``at`` (default now)."""
+    return (at or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y-%m")
+
+
+def agent_spend(trajectories: pl.LazyFrame, steps: pl.LazyFrame, rewards: pl.LazyFrame | None, agent_id: str, month: str, prices: Prices) -> Spend:
+    """What ``agent_id`` spent in ``month`` (module docstring for what counts).
+
+    Args:
+        trajectories / steps / rewards: the lake's tables, all batches (``rewards`` may lack
+            ``judge_cost_usd`` in batches written before it existed: read as 0).
+        month: ``YYYY-MM``.
+    """
+    now = month_of()
+    mine = (
+        trajectories.filter(pl.col("agent_id") == agent_id)
+        .select("trajectory_id", pl.col("timestamp").str.to_datetime(time_zone="UTC", strict=False).dt.strftime("%Y-%m").fill_null(now).alias("month"))
+        .filter(pl.col("month") == month)
+        .unique("trajectory_id")
+    )
+    tokens = (
+        steps.select("trajectory_id", prompt=pl.col("prompt_token_ids").list.len().fill_null(0), completion=pl.col("token_ids").list.len().fill_null(0))
+        .join(mine, on="trajectory_id", how="semi")
+        .select(pl.col("prompt").sum(), pl.col("completion").sum())
+        .collect()
+    )
+    prompt, completion = int(tokens["prompt"][0] or 0), int(tokens["completion"][0] or 0)
+    judge = 0.0
+    if rewards is not None and "judge_cost_usd" in rewards.collect_schema().names():
+        judge = float(rewards.join(mine, on="trajectory_id", how="semi").select(pl.col("judge_cost_usd").fill_null(0).sum()).collect().item() or 0.0)
+    policy = (prompt * prices.policy_input_usd_per_mtok + completion * prices.policy_output_usd_per_mtok) / 1e6
+    return Spend(agent_id, month, prompt, completion, judge, policy + judge)
+
+
+def prices_from_env() -> Prices:
+    """The policy's prices from ``FLOWOPT_POLICY_INPUT_USD_PER_MTOK`` and
+    ``FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK`` (default 0).
+
+    Raises:
+        ValueError: a value that is not a non-negative number (the message names the variable).
+    """
+    import os
+
+    values = []
+    for name in ("FLOWOPT_POLICY_INPUT_USD_PER_MTOK", "FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK"):
+        raw = os.environ.get(name, "0")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number (USD per million tokens)") from None
+        if not value >= 0:
+            raise ValueError(f"{name}={raw!r} must be >= 0")
+        values.append(value)
+    return Prices(*values)
+
+
+def monthly_budget_from_env() -> float:
+    """``FLOWOPT_MONTHLY_BUDGET_USD`` (default 100), USD per agent per calendar month."""
+    import os
+
+    return float(os.environ.get("FLOWOPT_MONTHLY_BUDGET_USD", DEFAULT_MONTHLY_BUDGET_USD))
+
+
+def lake_spend(lake, agent_id: str, month: str | None = None, prices: Prices | None = None) -> Spend:
+    """:func:`agent_spend` over every batch of ``lake`` (a ``TrajectoryLake``); an empty lake
+    spent nothing."""
+    month = month or month_of()
+    try:
+        trajectories, steps = lake.scan("trajectories"), lake.scan("steps")
+    except FileNotFoundError:
+        return Spend(agent_id, month, 0, 0, 0.0, 0.0)
+    try:
+        rewards = lake.scan("rewards")
+    except FileNotFoundError:
+        rewards = None
+    return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_from_env())
