@@ -252,7 +252,8 @@ def _api(args: argparse.Namespace) -> int:
         return 2
     instance = local_instance(args.home)
     service = deployment_service(instance, args.dagster_url)
-    uvicorn.run(create_app(training_dispatcher(service), tokens, service), host=args.host, port=args.port, log_level="info")
+    exports = os.environ.get("FLOWOPT_EXPORTS", ".exports")
+    uvicorn.run(create_app(training_dispatcher(service, exports), tokens, service, exports), host=args.host, port=args.port, log_level="info")
     return 0
 
 

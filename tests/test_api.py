@@ -64,7 +64,9 @@ def api(tmp_path_factory):
     )  # fmt: skip
     instance = local_instance(str(home))
     service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=paths["FLOWOPT_LAKE"])
-    config = uvicorn.Config(create_app(training_dispatcher(service), [TOKEN, "other"], service), host="127.0.0.1", port=_free_port(), log_level="warning")
+    exports = root / "exports"
+    app = create_app(training_dispatcher(service, exports), [TOKEN, "other"], service, exports)
+    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -185,3 +187,27 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     assert not result.success
     status = JobService(instance, None, None, lambda: set(), spend=lambda a: lake_spend(lake, a)).get_status(JobParams(job_id="job-budget"))
     assert status["state"] == "failed" and status["reason"] == "budget"
+
+
+def test_trajectories_are_exported_by_batch_and_time_as_parquet_or_jsonl_and_downloaded(api, tmp_path):
+    import polars as pl
+
+    url, key, _ = api
+    out = _rpc(url, "training.export_trajectories", {"batches": [key], "format": "parquet"}).json()["result"]
+    assert out["rows"] == 200 and out["batches"] == [key] and out["url"].startswith("/exports/")
+    download = httpx.get(url + out["url"], headers={"Authorization": f"Bearer {TOKEN}"})
+    assert download.status_code == 200 and httpx.get(url + out["url"]).status_code == 401
+    (tmp_path / "t.parquet").write_bytes(download.content)
+    table = pl.read_parquet(tmp_path / "t.parquet")
+    assert table.height == 200 and table["trajectory_id"].n_unique() == 200
+    assert {"reward", "advantage", "record_json", "task_id", "agent_id"} <= set(table.columns) and table["record_json"].null_count() == 0
+    # every batch, since the start of today (UTC): only the served trajectories are recent
+    today = datetime.now(timezone.utc).strftime("%Y-%m-%dT00:00:00Z")
+    path = tmp_path / "recent.jsonl"
+    recent = _rpc(url, "training.export_trajectories", {"since": today, "format": "jsonl", "path": str(path)}).json()["result"]
+    assert recent["rows"] == 3 and recent["url"] is None
+    assert sorted(json.loads(line)["trajectory_id"] for line in path.read_text().splitlines()) == ["adder-0", "adder-1", "adder-2"]
+    bad = _rpc(url, "training.export_trajectories", {"batches": ["nope"]}).json()["error"]
+    assert bad["code"] == INVALID_PARAMS and bad["data"]["errors"][0]["field"] == "batches.0"
+    naive = _rpc(url, "training.export_trajectories", {"since": "2026-01-01T00:00:00"}).json()["error"]
+    assert naive["code"] == INVALID_PARAMS and naive["data"]["errors"][0]["field"] == "since"

@@ -94,6 +94,7 @@ class JobService:
         partitions: ``() -> set of log batch keys`` that exist.
         spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.api.budget`).
         default_budget_usd: an agent's monthly budget when a job names none, USD.
+        lake: the trajectory lake (exports read it).
     """
 
     instance: DagsterInstance
@@ -102,6 +103,7 @@ class JobService:
     partitions: Any
     spend: Any = None
     default_budget_usd: float = 100.0
+    lake: Any = None
 
     def _runs(self, job_id: str) -> list:
         runs = self.instance.get_runs(RunsFilter(tags={JOB_TAG: job_id}))

@@ -4,7 +4,7 @@
 ``Authorization: Bearer <token>``; the tokens come from ``FLOWOPT_API_TOKENS`` (comma-separated,
 read through Dagster's ``EnvVar`` convention: never in config files) and are compared in constant
 time (``hmac.compare_digest``). A missing or wrong token is HTTP 401 with JSON-RPC error -32001.
-``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state);
+``GET /exports/<name>`` downloads an export (token required). ``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state);
 ``GET /health`` needs no token. Each request is one JSON log line (method, latency, job id).
 """
 
@@ -14,22 +14,37 @@ import hmac
 import json
 import logging
 import os
+import uuid
+from pathlib import Path
 import time
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from flow_assets.api.export import ExportParams, export_trajectories
 from flow_assets.api.jobs import JobParams, JobService, ListJobsParams, StartGrpoParams
 from flow_assets.api.jsonrpc import UNAUTHORISED, Dispatcher
 
 log = logging.getLogger("flowopt.api")
 
 
-def training_dispatcher(service: JobService) -> Dispatcher:
-    """The ``training.*`` methods on ``service``."""
+def training_dispatcher(service: JobService, export_dir: str | Path = ".exports") -> Dispatcher:
+    """The ``training.*`` methods on ``service``; exports without a ``path`` go to ``export_dir``
+    and are fetched with ``GET /exports/<name>``."""
     rpc = Dispatcher()
+
+    @rpc.method("training.export_trajectories", ExportParams)
+    def export(params: ExportParams) -> dict:
+        if service.lake is None:
+            raise RuntimeError("this API has no lake to export from")
+        name = f"trajectories-{uuid.uuid4().hex[:12]}.{params.format}"
+        target = Path(params.path) if params.path else Path(export_dir) / name
+        out = export_trajectories(service.lake, params, target)
+        return {**out, "path": str(target.resolve()), "url": None if params.path else f"/exports/{name}"}
+
     rpc.method("training.start_grpo", StartGrpoParams)(service.start_grpo)
     rpc.method("training.get_status", JobParams)(service.get_status)
     rpc.method("training.list_jobs", ListJobsParams)(lambda p: {"jobs": service.list_jobs(p)})
@@ -46,9 +61,18 @@ def authorised(header: str | None, tokens: Sequence[str]) -> bool:
     return any(hmac.compare_digest(given, t.encode()) for t in tokens if t)
 
 
-def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None) -> FastAPI:
+def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None, export_dir: str | Path = ".exports") -> FastAPI:
     """The ASGI app of the API (module docstring)."""
     app = FastAPI(title="flowopt training API", docs_url=None, redoc_url=None)
+
+    @app.get("/exports/{name}")
+    async def download(name: str, request: Request) -> Response:
+        if not authorised(request.headers.get("authorization"), tokens):
+            return Response(status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        path = Path(export_dir) / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            return Response(status_code=404)
+        return FileResponse(path, filename=name)
     registry = CollectorRegistry()
     requests = Counter("flowopt_api_requests", "JSON-RPC calls by method and outcome", ["method", "outcome"], registry=registry)
     latency = Histogram("flowopt_api_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=registry,
@@ -144,5 +168,5 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", la
     return JobService(
         instance=instance, submit=submit, terminate=lambda run_ids: client.terminate_runs(run_ids),
         partitions=lambda: set(instance.get_dynamic_partitions(log_batches.name)),
-        spend=lambda agent: lake_spend(lake, agent, prices=prices), default_budget_usd=monthly_budget_from_env(),
+        spend=lambda agent: lake_spend(lake, agent, prices=prices), default_budget_usd=monthly_budget_from_env(), lake=lake,
     )  # fmt: skip
