@@ -5,17 +5,11 @@ here, so submitted rounds stay queued until cancelled)."""
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from flow_assets.api.jsonrpc import INVALID_PARAMS, INVALID_STATE, UNAUTHORISED, UNKNOWN_JOB
 from tests.conftest import TAU_BENCH, run_cli
@@ -26,18 +20,9 @@ TOKEN = "t0ken-for-tests"
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    from flow_assets.api.server import create_app, deployment_service, training_dispatcher
-    from flow_assets.local import local_instance
+    from flow_assets.api.local import local_api
 
     root = tmp_path_factory.mktemp("api")
     home = root / "home"
@@ -56,39 +41,11 @@ def api(tmp_path_factory):
     prices = {"FLOWOPT_POLICY_INPUT_USD_PER_MTOK": "500", "FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK": "2000"}
     saved = {k: os.environ.get(k) for k in [*prices, "FLOWOPT_TEST_API_LAKE", "FLOWOPT_TEST_API_LANDING"]}
     os.environ.update({**prices, "FLOWOPT_TEST_API_LAKE": paths["FLOWOPT_LAKE"], "FLOWOPT_TEST_API_LANDING": paths["FLOWOPT_LANDING"]})
-    web_port = _free_port()
-    web = subprocess.Popen(
-        [str(Path(sys.executable).with_name("dagster-webserver")), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(web_port)],
-        cwd=REPO, env={**os.environ, "DAGSTER_HOME": str(home), **paths}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    instance = local_instance(str(home))
-    service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=paths["FLOWOPT_LAKE"])
-    exports = root / "exports"
-    app = create_app(training_dispatcher(service, exports), [TOKEN, "other"], service, exports)
-    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:  # the webserver has loaded the code location
-            assert web.poll() is None, "dagster-webserver exited"
-            try:
-                if "training_round_job" in httpx.post(f"http://127.0.0.1:{web_port}/graphql", json={"query": "{ workspaceOrError { ... on Workspace { locationEntries { locationOrLoadError { ... on RepositoryLocation { repositories { jobs { name } } } } } } } }"}, timeout=10).text:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        while not server.started:
-            time.sleep(0.05)
-        key = next(k for k in instance.get_dynamic_partitions("log_batches") if k.startswith("tau-bench"))
-        yield f"http://127.0.0.1:{config.port}", key, instance
+        with local_api(home, paths, [TOKEN, "other"], root / "exports") as deployment:
+            key = next(k for k in deployment.instance.get_dynamic_partitions("log_batches") if k.startswith("tau-bench"))
+            yield deployment.api_url, key, deployment.instance
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        os.killpg(web.pid, signal.SIGTERM)
-        web.wait(timeout=60)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
