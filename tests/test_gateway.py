@@ -92,13 +92,24 @@ def test_n_choices_stop_strings_and_the_path_prefix_rollout(fresh_policy_dir, tm
         many = client.post("/rollouts/by-path/v1/chat/completions", json={**body, "n": 3, "logprobs": True}).json()
         lengths = [len(c["logprobs"]["content"]) for c in many["choices"]]
         assert [c["index"] for c in many["choices"]] == [0, 1, 2] and many["usage"]["completion_tokens"] == sum(lengths)
-        one = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        one_reply = client.post("/v1/chat/completions", json=body).json()
+        one = one_reply["choices"][0]
         text = one["message"]["content"]
         stop = text[2:4]  # the same seeded sample is certain to produce it
-        cut = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+        cut_reply = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()
+        cut = cut_reply["choices"][0]
         assert cut["finish_reason"] == "stop" and cut["message"]["content"] == text[: text.index(stop)]
         done = client.post("/rollouts/by-path/finish", json={"task_id": "t", "success": False}).json()
         assert done["llm_calls"] == 1 and done["completion_tokens"] == lengths[0]  # the first choice is the turn
+        # Prometheus: requests and latency per route template, and the tokens served
+        metrics = client.get("/metrics").text
+        assert 'flowopt_gateway_requests_total{route="/rollouts/{rollout_id}/v1/chat/completions",status="200"} 1.0' in metrics
+        assert 'flowopt_gateway_requests_total{route="/v1/chat/completions",status="200"} 2.0' in metrics
+        assert 'flowopt_gateway_request_seconds_count{route="/v1/chat/completions"} 2.0' in metrics
+        value = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("flowopt_gateway_tokens_total")}
+        replies = (many, one_reply, cut_reply)
+        assert value['flowopt_gateway_tokens_total{adapter="v0",kind="completion"}'] == sum(r["usage"]["completion_tokens"] for r in replies)
+        assert value['flowopt_gateway_tokens_total{adapter="v0",kind="prompt"}'] == sum(r["usage"]["prompt_tokens"] for r in replies)
 
 
 MALFORMED = [

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
@@ -169,6 +170,25 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="flowopt policy gateway", lifespan=lifespan)
     app.state.gateway = gateway
     tokenizer = gateway.engine.tokenizer
+    metrics = CollectorRegistry()  # per app: two gateways in one process count apart
+    requests_total = Counter("flowopt_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=metrics)
+    latency = Histogram("flowopt_gateway_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=metrics,
+                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+    tokens_served = Counter("flowopt_gateway_tokens", "tokens served by kind (prompt, completion) and adapter version", ["kind", "adapter"], registry=metrics)
+
+    @app.middleware("http")
+    async def _measure(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "(unmatched)")
+        requests_total.labels(path, str(response.status_code)).inc()
+        latency.labels(path).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -299,6 +319,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             except RolloutError as exc:
                 return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
         completion_tokens = sum(len(c.completion_ids) for c in choices)
+        tokens_served.labels("prompt", ref.version).inc(len(prompt_ids))
+        tokens_served.labels("completion", ref.version).inc(completion_tokens)
         return JSONResponse(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
