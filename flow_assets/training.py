@@ -45,7 +45,8 @@ from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
 from flow_assets.policy.sft import SFTConfig
 from flow_assets.policy.tiny_model import TinyModelConfig
-from flow_assets.policy.trainer import GRPOTrainerConfig, config_to_dict
+from flow_assets.policy.trainer import GRPOTrainerConfig, TrainingPaused, config_to_dict
+from flow_assets.api.jobs import PAUSED_TAG, pause_requested
 from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
 from flow_assets.versions import TRAINING_OWNERS, code_version
@@ -223,12 +224,16 @@ def policy_checkpoint(
     tracker = tracking.open(tasks.agent_id, key)
     tracker.log_params(flat_params({"trainer": config_to_dict(trainer), "negate_advantages": config.negate_advantages}))
 
+    job = context.run.tags.get("flowopt/job")
+
     def log_step(m) -> None:
         context.log.info(
             f"step {m.step}: loss {m.loss:.4f}, grad norm {m.grad_norm:.3f}, clip fraction {m.clip_fraction:.3f}, "
             f"mean ratio {m.mean_ratio:.4f}, KL {m.kl:.4g}, {m.num_samples} samples / {m.num_tokens} tokens"
         )
         tracker.log_metrics({f"train/{name}": getattr(m, name) for name in TRACKED_STEP_METRICS}, step=m.step)
+        if job and pause_requested(context.instance, job):  # training.pause: stop after this step
+            raise TrainingPaused(f"job {job} paused by training.pause")
 
     try:
         summary, steps = train_candidate(
@@ -236,6 +241,12 @@ def policy_checkpoint(
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc
+    except TrainingPaused as pause:
+        context.instance.add_run_tags(context.run_id, {PAUSED_TAG: f"after step {pause.step}"})
+        raise Failure(
+            f"paused after step {pause.step} (checkpoint {pause.checkpoint}); training.resume continues from it",
+            metadata={"step": pause.step, "checkpoint": MetadataValue.path(pause.checkpoint)},
+        ) from None
     finally:
         tracker.close()
     frame = pl.DataFrame([vars(s) for s in steps]) if steps else pl.DataFrame()

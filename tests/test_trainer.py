@@ -207,3 +207,29 @@ def test_micro_batches_accumulate_exactly_the_minibatch_gradient(loss_type, tmp_
     # elements' gradients (a change of lr or more); a uniform scale error, invisible to Adam's
     # first step, is caught by the grad_norm assertion above
     assert all(torch.allclose(a, b, atol=1e-3 * config.learning_rate) for a, b in zip(params_whole, params_split))
+
+
+def test_a_pause_after_a_step_checkpoints_it_and_resume_ends_where_an_uninterrupted_round_does(tmp_path):
+    from flow_assets.policy.trainer import TrainingPaused
+
+    out = tmp_path / "round"
+    model, samples, config = _resume_round(str(out), max_steps=7)  # checkpoint_every=2: step 3 has none of its own
+
+    def pause_at_3(m):
+        if m.step == 3:
+            raise TrainingPaused("paused by the API")
+
+    with pytest.raises(TrainingPaused) as info:
+        train_grpo_round(model, samples, config, on_step=pause_at_3)
+    assert info.value.step == 3 and info.value.checkpoint == str(out / "checkpoint-3")
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
+    model, samples, config = _resume_round(str(out), max_steps=7)
+    trainer = GRPORoundTrainer(model, samples, config)
+    assert trainer.resume_from_latest() == 3
+    result = trainer.train()
+    assert result.final_step == 7 and [m.step for m in result.steps] == list(range(1, 8))
+    reference, samples, config = _resume_round(str(tmp_path / "uninterrupted"), max_steps=7)
+    train_grpo_round(reference, samples, config)
+    for (n, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        if a.requires_grad:
+            assert torch.allclose(a, b, atol=1e-5), n

@@ -319,3 +319,37 @@ def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_co
     # a collected batch whose round has not run yet: wait for it
     key = world.collect()
     assert tick(3).skip_message == f"waiting for the round of {key}"
+
+
+def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_checkpoint(world):
+    """training.pause / resume on real runs: the round sees the request after its first optimizer
+    step, checkpoints it and stops (the job reads paused); resume submits a second attempt, which
+    continues from that checkpoint to the end (the job reads completed)."""
+    from flow_assets.api.jobs import JOB_TAG, JobParams, JobService, StartGrpoParams, pause_key
+    from flow_assets.api.jsonrpc import INVALID_STATE, RpcError
+
+    key = world.collect()
+    assert world.training_requests() == [key]  # the sensor's round is not run: the job's is
+    attempts = []
+
+    def submit(job_name, run_config, tags):
+        if not attempts:  # the pause request arrives while the first attempt trains
+            world.instance.run_storage.set_cursor_values({pause_key(tags[JOB_TAG]): "requested"})
+        result = run_job(world.defs, world.instance, job_name, tags["dagster/partition"], run_config, tags=tags)
+        attempts.append(result)
+        return result.run_id
+
+    service = JobService(world.instance, submit, lambda ids: None, lambda: {key})
+    # three epochs: a round of several optimizer steps, so the pause after step 1 is mid-round
+    config = {"ops": {"policy_checkpoint": {"config": {"num_epochs": 3}}, "evaluation_report": {"config": {**EVAL, **OPEN_GATE}}}}
+    status = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config=config))
+    job = JobParams(job_id=status["job_id"])
+    assert status["state"] == "paused" and status["rounds"][0]["paused"] == "after step 1", status
+    assert not attempts[0].success and (world.models / "runs" / key / "checkpoints" / "checkpoint-1").is_dir()
+    resumed = service.resume(job)
+    assert resumed["state"] == "completed" and resumed["rounds"][0]["attempt"] == 2 and not resumed["pause_requested"], resumed
+    summary, _ = world.round_files(key)
+    assert summary.resumed_from == 1 and summary.final_step > 1
+    with pytest.raises(RpcError) as refused:
+        service.pause(job)
+    assert refused.value.code == INVALID_STATE

@@ -6,10 +6,11 @@ GraphQL API (so the instance's run coordinator queues them and its daemon launch
 round at a time in the ``training`` pool). Everything a caller sees comes from those runs:
 
 ==========  ===========================================================================
-state       when
+state       when (over each round's latest run: a resumed round has several)
 ==========  ===========================================================================
 queued      no run has started (all queued / not started)
 running     a run is starting or started, or some finished and others wait
+paused      ``training.pause``: no run active and a round stopped or withdrawn by it
 completed   every run succeeded
 failed      a run failed (a blocked round is not a failure: see ``rounds``)
 cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
@@ -39,6 +40,26 @@ ROUND_TAG = "flowopt/job_round"
 GATE_TAG = "flowopt/gate"
 BUDGET_TAG = "flowopt/job_budget_usd"
 FAILURE_TAG = "flowopt/job_failure"
+PAUSED_TAG = "flowopt/job_paused"
+
+
+def pause_key(job_id: str) -> str:
+    """The instance key-value entry that asks a job's running round to pause (``"requested"``)."""
+    return f"flowopt/job/{job_id}/pause"
+
+
+def pause_requested(instance: DagsterInstance, job_id: str) -> bool:
+    """Whether ``training.pause`` asked ``job_id`` to pause (read by the training step loop)."""
+    key = pause_key(job_id)
+    return instance.run_storage.get_cursor_values({key}).get(key) == "requested"
+
+
+def latest_per_round(runs: list) -> list:
+    """The newest run of each round (a resumed round has several), in round order."""
+    latest: dict[int, object] = {}
+    for run in sorted(runs, key=lambda r: r.tags.get("flowopt/job_attempt", "1").zfill(6)):
+        latest[int(run.tags.get(ROUND_TAG, "0"))] = run
+    return [latest[k] for k in sorted(latest)]
 TRAINING_JOB = "training_round_job"
 
 _QUEUED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
@@ -65,12 +86,17 @@ class JobParams(BaseModel):
 class ListJobsParams(BaseModel):
     """``training.list_jobs``: the newest ``limit`` jobs, optionally only those in ``state``."""
 
-    state: str | None = Field(None, pattern="^(queued|running|completed|failed|cancelled)$")
+    state: str | None = Field(None, pattern="^(queued|running|paused|completed|failed|cancelled)$")
     limit: int = Field(100, ge=1, le=1000)
 
 
-def job_state(statuses: list[DagsterRunStatus]) -> str:
-    """The job state of its runs' statuses (table in the module docstring)."""
+def job_state(statuses: list[DagsterRunStatus], paused: bool = False) -> str:
+    """The job state of its rounds' latest runs' statuses (table in the module docstring);
+    ``paused``: a latest run carries the paused tag."""
+    if any(s in _ACTIVE for s in statuses):
+        return "running"
+    if paused:
+        return "paused"
     if any(s == DagsterRunStatus.CANCELED for s in statuses):
         return "cancelled"
     if any(s == DagsterRunStatus.FAILURE for s in statuses):
@@ -106,10 +132,15 @@ class JobService:
     lake: Any = None
 
     def _runs(self, job_id: str) -> list:
+        """Every run of the job (all attempts), oldest first."""
         runs = self.instance.get_runs(RunsFilter(tags={JOB_TAG: job_id}))
         if not runs:
             raise RpcError(UNKNOWN_JOB, f"unknown job {job_id!r}")
-        return sorted(runs, key=lambda r: int(r.tags.get(ROUND_TAG, "0")))
+        return list(reversed(runs))
+
+    def _state(self, runs: list) -> str:
+        latest = latest_per_round(runs)
+        return job_state([r.status for r in latest], any(PAUSED_TAG in r.tags for r in latest))
 
     def start_grpo(self, params: StartGrpoParams) -> dict[str, Any]:
         """Submit one training round per log batch; returns the job's status.
@@ -139,23 +170,25 @@ class JobService:
         Raises:
             RpcError(UNKNOWN_JOB): no run carries that job id.
         """
-        runs = self._runs(params.job_id)
-        statuses = [r.status for r in runs]
-        finished = [r for r in runs if r.status in _FINISHED]
+        every = self._runs(params.job_id)
+        runs = latest_per_round(every)
+        finished = [r for r in runs if r.status == DagsterRunStatus.SUCCESS]
         current = next((r for r in runs if r.status in _ACTIVE), None)
         agent = runs[0].tags.get(AGENT_TAG)
         failure = next((r.tags[FAILURE_TAG] for r in runs if FAILURE_TAG in r.tags), None)
         return {
             "job_id": params.job_id,
             "agent_id": agent,
-            "state": job_state(statuses),
+            "state": self._state(every),
             "reason": failure,
+            "pause_requested": pause_requested(self.instance, params.job_id),
             "budget_usd": float(runs[0].tags.get(BUDGET_TAG, self.default_budget_usd)),
             "spend": self.spend(agent).as_dict() if self.spend is not None and agent else None,
             "progress": {"rounds_done": len(finished), "rounds_planned": len(runs), "current_batch": current.tags.get("dagster/partition") if current else None},
             "rounds": [
                 {"round": int(r.tags.get(ROUND_TAG, "0")), "batch": r.tags.get("dagster/partition"), "run_id": r.run_id,
-                 "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG)}  # fmt: skip
+                 "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG), "paused": r.tags.get(PAUSED_TAG),
+                 "attempt": int(r.tags.get("flowopt/job_attempt", "1"))}  # fmt: skip
                 for r in runs
             ],
         }
@@ -170,7 +203,7 @@ class JobService:
                 jobs.setdefault(job, []).append(run)
         out = []
         for job_id, mine in jobs.items():
-            state = job_state([r.status for r in mine])
+            state = self._state(mine)
             if params.state in (None, state):
                 out.append({"job_id": job_id, "agent_id": mine[0].tags.get(AGENT_TAG), "state": state, "rounds_planned": len(mine)})
             if len(out) >= params.limit:
@@ -187,6 +220,50 @@ class JobService:
         runs = self._runs(params.job_id)
         open_runs = [r.run_id for r in runs if r.status not in _FINISHED]
         if not open_runs:
-            raise RpcError(INVALID_STATE, f"job {params.job_id!r} has finished ({job_state([r.status for r in runs])}); nothing to cancel")
+            raise RpcError(INVALID_STATE, f"job {params.job_id!r} has finished ({self._state(runs)}); nothing to cancel")
         self.terminate(open_runs)
         return self.get_status(params)
+
+    def pause(self, params: JobParams) -> dict[str, Any]:
+        """Pause a queued or running job: queued rounds are withdrawn (tagged paused); the running
+        round finishes its current optimizer step, checkpoints it and stops (``policy_checkpoint``
+        reads the request between steps); a round past training finishes normally.
+
+        Raises:
+            RpcError(UNKNOWN_JOB / INVALID_STATE): no such job, or it is not queued or running.
+        """
+        runs = self._runs(params.job_id)
+        state = self._state(runs)
+        if state not in ("queued", "running"):
+            raise RpcError(INVALID_STATE, f"job {params.job_id!r} is {state}; only a queued or running job can be paused")
+        self.instance.run_storage.set_cursor_values({pause_key(params.job_id): "requested"})
+        queued = [r for r in latest_per_round(runs) if r.status in _QUEUED]
+        for run in queued:
+            self.instance.add_run_tags(run.run_id, {PAUSED_TAG: "before it started"})
+        if queued:
+            self.terminate([r.run_id for r in queued])
+        return self.get_status(params)
+
+    def resume(self, params: JobParams) -> dict[str, Any]:
+        """Resume a paused job: every round whose latest run did not succeed is submitted again
+        (a new attempt, same tags); a round paused mid-training continues from its checkpoint.
+
+        Raises:
+            RpcError(UNKNOWN_JOB / INVALID_STATE): no such job, or it is not paused.
+        """
+        runs = self._runs(params.job_id)
+        state = self._state(runs)
+        if state != "paused":
+            raise RpcError(INVALID_STATE, f"job {params.job_id!r} is {state}; only a paused job can be resumed")
+        self.instance.run_storage.set_cursor_values({pause_key(params.job_id): ""})
+        for run in latest_per_round(runs):
+            if run.status == DagsterRunStatus.SUCCESS:
+                continue
+            keep = ("dagster/partition", JOB_TAG, AGENT_TAG, ROUND_TAG, BUDGET_TAG)
+            tags = {k: run.tags[k] for k in keep if k in run.tags}
+            tags["flowopt/job_attempt"] = str(int(run.tags.get("flowopt/job_attempt", "1")) + 1)
+            self.submit(TRAINING_JOB, self._run_config(run), tags)
+        return self.get_status(params)
+
+    def _run_config(self, run) -> dict | None:
+        return run.run_config or None

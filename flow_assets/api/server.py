@@ -49,6 +49,8 @@ def training_dispatcher(service: JobService, export_dir: str | Path = ".exports"
     rpc.method("training.get_status", JobParams)(service.get_status)
     rpc.method("training.list_jobs", ListJobsParams)(lambda p: {"jobs": service.list_jobs(p)})
     rpc.method("training.cancel", JobParams)(service.cancel)
+    rpc.method("training.pause", JobParams)(service.pause)
+    rpc.method("training.resume", JobParams)(service.resume)
     return rpc
 
 

@@ -301,20 +301,31 @@ class GRPORoundTrainer:
         """Run the remaining steps of the round (all of them unless resumed), checkpointing as configured.
 
         Args:
-            on_step: called with each new step's metrics (after its checkpoint, if any).
+            on_step: called with each new step's metrics (after its checkpoint, if any). It may
+                raise :class:`TrainingPaused` to stop after this step: the trainer checkpoints the
+                step first (if it was not just checkpointed), so :meth:`resume_from_latest`
+                continues exactly there.
 
         Returns:
             :class:`RoundResult`.
+
+        Raises:
+            TrainingPaused: from ``on_step``, with ``step`` and ``checkpoint`` set.
         """
         start = time.perf_counter()
         while self.step < self.total_steps:
             metrics = self._train_step(self.step + 1)
             self.step = metrics.step
             self.history.append(metrics)
-            if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
+            saved = self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps
+            if saved:
                 self.save_checkpoint()
             if on_step is not None:
-                on_step(metrics)
+                try:
+                    on_step(metrics)
+                except TrainingPaused as pause:
+                    pause.step, pause.checkpoint = self.step, str(self.latest_checkpoint if saved else self.save_checkpoint())
+                    raise
         self.model.eval()
         return RoundResult(
             steps=list(self.history),
@@ -487,6 +498,16 @@ class GRPORoundTrainer:
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
+
+
+class TrainingPaused(Exception):
+    """Raised by a step callback to pause a round after the current optimizer step; the trainer
+    sets ``step`` (the last step taken) and ``checkpoint`` (its directory) before it propagates."""
+
+    def __init__(self, reason: str = "paused"):
+        super().__init__(reason)
+        self.step: int | None = None
+        self.checkpoint: str | None = None
 
 
 def train_grpo_round(
