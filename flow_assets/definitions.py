@@ -16,8 +16,9 @@ import os
 
 from dagster import Definitions, EnvVar, in_process_executor
 
+from flow_assets.adapter_evaluation import adapter_evaluation
 from flow_assets.data_plane import data_plane_assets, landed_logs
-from flow_assets.jobs import ab_test_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.jobs import ab_test_job, adapter_evaluation_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
 from flow_assets.live_traffic import live_assets
 from flow_assets.training import training_assets
 from resources.lake import TrajectoryLake
@@ -116,8 +117,8 @@ def build_definitions(
         # every job here is a chain of steps: one process per run (not one per step, which costs
         # a fresh import of torch and the code location for each step)
         executor=in_process_executor,
-        assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets],
-        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job],
+        assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets, adapter_evaluation],
+        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job, adapter_evaluation_job],
         sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor, ab_monitor_sensor],
         resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab, judge),
     )

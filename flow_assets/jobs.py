@@ -3,7 +3,7 @@
 from dagster import AssetSelection, define_asset_job
 
 from flow_assets.data_plane import data_plane_assets
-from flow_assets.partitions import log_batches
+from flow_assets.partitions import adapter_versions, log_batches
 
 #: One log batch through the data plane: interaction_logs -> trajectories -> rewards -> advantages.
 log_batch_job = define_asset_job(
@@ -48,4 +48,12 @@ ab_test_job = define_asset_job(
     selection=AssetSelection.assets("ab_test_report"),
     partitions_def=log_batches,
     description="Test the challenger against the champion on live traffic, as of this batch.",
+)
+
+#: One registry version on the held-out split (``training.evaluate``).
+adapter_evaluation_job = define_asset_job(
+    "adapter_evaluation_job",
+    selection=AssetSelection.assets("adapter_evaluation"),
+    partitions_def=adapter_versions,
+    description="Evaluate one registry version of the policy on the held-out tasks (success, reward, calls, with intervals).",
 )

@@ -41,7 +41,7 @@ from flow_assets.policy.sft import SFTConfig, sft_on_rows
 from flow_assets.policy.store import PolicyStore
 from flow_assets.policy.tiny_model import TinyModelConfig, save_tiny_policy
 from flow_assets.policy.trainer import GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
-from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
+from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
 from flow_assets.rl.grpo_loss import k3_kl
 from flow_assets.tasks.sources import Task, TaskSource
@@ -563,6 +563,31 @@ def evaluate_candidate(
     result = EvaluationResult(report, config.gate, gate_results(summary, report, config.gate), seconds)
     write_evaluation(result, run_dir)
     return rows, result
+
+
+def evaluate_version(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    version: AdapterRef,
+    config: EvaluationConfig,
+    scratch_dir: str | Path,
+) -> tuple[pl.DataFrame, dict[str, Any], float]:
+    """One registry version's agents on the first ``config.max_tasks`` held-out tasks (the same
+    tasks, modes and temperatures a round's gate uses; ``config.gate`` is not read): what
+    ``training.evaluate`` answers.
+
+    Returns:
+        Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` (``policy`` = the version),
+        :func:`~flow_assets.rl.evaluation.summarise_policy`'s report, and the wall time, seconds.
+
+    Raises:
+        OSError: the base model or the version's adapter cannot be loaded.
+    """
+    held_out = source.tasks("held_out")[: config.max_tasks]
+    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, {version.version: version}, config, scratch_dir)
+    return rows, summarise_policy(rows), seconds
 
 
 # -- promotion -------------------------------------------------------------------------------------

@@ -140,6 +140,12 @@ class AdapterRegistry(ConfigurableResource):
         """The current champion entry (``version``, ``adapter_path``, ``metrics``) or ``None``."""
         return self.load()["champion"]
 
+    def version(self, version: str) -> dict[str, Any] | None:
+        """The newest history entry of ``version`` that names its adapter (``version``,
+        ``adapter_path``, ``metrics``, ...), whether it serves now or not; ``None`` for a version
+        the registry never held."""
+        return next((e for e in reversed(self.load()["history"]) if e.get("version") == version and e.get("adapter_path")), None)
+
     def candidate(self) -> dict[str, Any] | None:
         """The adapter the latest training round produced (``adapter_path``, ``batch``,
         ``parent_version``), which the gateway serves as ``model="candidate"``; or ``None``."""

@@ -97,6 +97,11 @@ def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api):
     metrics = httpx.get(url + "/metrics").text
     assert 'flowopt_api_requests_total{method="training.start_grpo",outcome="ok"}' in metrics
     assert 'flowopt_api_jobs{state="cancelled"}' in metrics and "flowopt_api_request_seconds_bucket" in metrics
+    # training.evaluate names a registry version; this deployment's registry holds none
+    unknown = _rpc(url, "training.evaluate", {"version": "v0"}).json()["error"]
+    assert unknown["code"] == INVALID_PARAMS and unknown["data"]["errors"][0]["field"] == "version" and "v0" in unknown["message"]
+    malformed = _rpc(url, "training.evaluate", {"version": "latest", "modes": ["beam"]}).json()["error"]
+    assert malformed["code"] == INVALID_PARAMS and {e["field"] for e in malformed["data"]["errors"]} == {"version", "modes.0"}
 
 
 def test_spend_counts_served_tokens_and_judge_cost_per_agent_and_month():
@@ -136,6 +141,7 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     started = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.5}).json()["result"]
     assert started["budget_usd"] == 0.5 and started["spend"]["total_usd"] == pytest.approx(0.42)
     _rpc(url, "training.cancel", {"job_id": started["job_id"]})
+    assert 'flowopt_budget_spent_usd{agent="adder"} 0.42' in httpx.get(url + "/metrics").text
     # the round boundary: a queued round of a job whose budget is spent by the time it starts fails
     # before training, and the job reads failed / budget
     defs = build_definitions(lake.root, os.environ["FLOWOPT_TEST_API_LANDING"], models_root=str(tmp_path / "models"), settle_seconds=0)

@@ -20,6 +20,7 @@ LINEAGE = {
     "promoted_adapter": ["evaluation_report"],
     "training_history": ["promoted_adapter"],
     "ab_test_report": ["rewards"],
+    "adapter_evaluation": ["champion"],
 }
 CHECKS = {
     ("interaction_logs", "records_conserved"),
@@ -46,7 +47,7 @@ def test_lineage_is_the_loop_champion_rollouts_logs_round(defs):
     graph = defs.resolve_asset_graph()
     assert {k.to_user_string() for k in graph.external_asset_keys} == EXTERNAL
     assert {s.group_name for k, s in specs.items() if k in ("interaction_logs", "advantages", "landed_logs")} == {"data_plane"}
-    assert {s.group_name for k, s in specs.items() if k in ("base_policy", "champion", "rollouts", "promoted_adapter")} == {"training"}
+    assert {s.group_name for k, s in specs.items() if k in ("base_policy", "champion", "rollouts", "promoted_adapter", "adapter_evaluation")} == {"training"}
 
 
 def test_every_gate_check_blocks_and_says_what_it_checks(defs):

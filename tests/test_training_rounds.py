@@ -162,6 +162,12 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
     # the run list says it too (the run is failed by the blocking check), and the champion's page
     run = world.instance.get_run_by_id(report.run_id)
     assert run.tags["flowopt/gate"] == report.asset_materialization.metadata["verdict"].value[:200]
+    from dagster import DagsterRunStatus
+
+    from flow_assets.api.jobs import round_status
+
+    # a job counts the round as done (blocked), not failed
+    assert run.status == DagsterRunStatus.FAILURE and round_status(run) == DagsterRunStatus.SUCCESS
     kept = world.instance.fetch_observations(AssetKey("champion"), limit=1).records[0]
     assert kept.run_id == report.run_id and kept.event_log_entry.asset_observation.description.startswith(f"keep {before['version']} (blocked")
     assert kept.event_log_entry.asset_observation.metadata["candidate_batch"].value == key
@@ -353,3 +359,45 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
     with pytest.raises(RpcError) as refused:
         service.pause(job)
     assert refused.value.code == INVALID_STATE
+
+
+def test_training_evaluate_runs_one_version_on_the_held_out_tasks_the_gate_used(world):
+    """training.evaluate on real runs: v0 greedy on the first 120 held-out tasks as an
+    adapter_evaluation partition; greedy decoding is deterministic, so each task's outcome equals
+    v0's as the champion side of the first round's evaluation on the same tasks."""
+    from flow_assets.api.jobs import EvaluateParams, JobService, ListJobsParams
+    from flow_assets.api.jsonrpc import INVALID_PARAMS, RpcError
+    from flow_assets.partitions import adapter_versions
+
+    first = next((k for k in sorted(world.instance.get_materialized_partitions(AssetKey("evaluation_report")))
+                  if world.round_files(k)[0].parent_version == "v0"), None)  # fmt: skip
+    if first is None:  # this test alone: one round from v0 first
+        first = world.collect()
+        assert world.train(first, evaluation=OPEN_GATE).success
+
+    def submit(job_name, run_config, tags):
+        result = run_job(world.defs, world.instance, job_name, tags["dagster/partition"], run_config, tags=tags)
+        assert result.success, failure(result)
+        return result.run_id
+
+    service = JobService(
+        world.instance, submit, lambda ids: None, lambda: set(),
+        versions=lambda v: world.registry.version(v) is not None,
+        add_version=lambda v: world.instance.add_dynamic_partitions(adapter_versions.name, [v]),
+    )  # fmt: skip
+    with pytest.raises(RpcError) as unknown:
+        service.evaluate(EvaluateParams(version="v99"))
+    assert unknown.value.code == INVALID_PARAMS and unknown.value.data["errors"][0]["field"] == "version"
+    status = service.evaluate(EvaluateParams(version="v0", max_tasks=EVAL["max_tasks"], modes=["greedy"]))
+    assert status["kind"] == "evaluate" and status["state"] == "completed", status
+    report = status["evaluation"]["report"]
+    assert set(report) == {"greedy"} and report["greedy"]["n_tasks"] == EVAL["max_tasks"]
+    lake = TrajectoryLake(root=str(world.root / "lake"))
+    mine = lake.read_partition("adapter_evaluations", "v0").sort("task_id")
+    gate_side = lake.read_partition("evaluations", first).filter((pl.col("policy") == "champion") & (pl.col("mode") == "greedy")).sort("task_id")
+    assert mine["task_id"].to_list() == gate_side["task_id"].to_list()
+    assert mine["success"].to_list() == gate_side["success"].to_list()
+    rate = report["greedy"]["success_rate"]
+    assert rate["successes"] == sum(mine["success"].to_list()) and rate["ci_low"] <= rate["rate"] <= rate["ci_high"]
+    listed = {j["job_id"]: j for j in service.list_jobs(ListJobsParams())}
+    assert listed[status["job_id"]]["kind"] == "evaluate"

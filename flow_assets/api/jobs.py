@@ -11,8 +11,8 @@ state       when (over each round's latest run: a resumed round has several)
 queued      no run has started (all queued / not started)
 running     a run is starting or started, or some finished and others wait
 paused      ``training.pause``: no run active and a round stopped or withdrawn by it
-completed   every run succeeded
-failed      a run failed (a blocked round is not a failure: see ``rounds``)
+completed   every round's run succeeded, or was stopped by the gate (a blocked round)
+failed      a run failed for another reason (an error, the budget: ``reason``)
 cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
 ==========  ===========================================================================
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from pydantic import BaseModel, Field
 
 from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
@@ -41,6 +41,8 @@ GATE_TAG = "flowopt/gate"
 BUDGET_TAG = "flowopt/job_budget_usd"
 FAILURE_TAG = "flowopt/job_failure"
 PAUSED_TAG = "flowopt/job_paused"
+#: ``grpo`` (training.start_grpo) or ``evaluate`` (training.evaluate); absent = grpo
+KIND_TAG = "flowopt/job_kind"
 
 
 def pause_key(job_id: str) -> str:
@@ -60,7 +62,19 @@ def latest_per_round(runs: list) -> list:
     for run in sorted(runs, key=lambda r: r.tags.get("flowopt/job_attempt", "1").zfill(6)):
         latest[int(run.tags.get(ROUND_TAG, "0"))] = run
     return [latest[k] for k in sorted(latest)]
+
+
+def round_status(run) -> DagsterRunStatus:
+    """A round's status as its job counts it: a run that failed only because the gate's blocking
+    check refused the candidate (its ``flowopt/gate`` tag reads ``keep ...``) finished its round
+    as designed, so it counts as ``SUCCESS``; every other status is the run's own."""
+    if run.status == DagsterRunStatus.FAILURE and run.tags.get(GATE_TAG, "").startswith("keep "):
+        return DagsterRunStatus.SUCCESS
+    return run.status
+
+
 TRAINING_JOB = "training_round_job"
+EVALUATION_JOB = "adapter_evaluation_job"
 
 _QUEUED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 _ACTIVE = {DagsterRunStatus.STARTING, DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING}
@@ -75,6 +89,15 @@ class StartGrpoParams(BaseModel):
     log_batches: list[str] = Field(min_length=1, max_length=1000)
     config: dict[str, Any] = Field(default_factory=dict)
     budget_usd: float | None = Field(None, gt=0, description="the agent's monthly budget for this job (default FLOWOPT_MONTHLY_BUDGET_USD, 100)")
+
+
+class EvaluateParams(BaseModel):
+    """``training.evaluate``: registry ``version`` of the policy on the first ``max_tasks``
+    held-out tasks in ``modes`` (defaults: the asset's, 500 tasks, greedy and sampled)."""
+
+    version: str = Field(pattern=r"^v[0-9]+$", max_length=20)
+    max_tasks: int | None = Field(None, ge=1, le=100_000)
+    modes: list[Literal["greedy", "sampled"]] | None = Field(None, min_length=1, max_length=2)
 
 
 class JobParams(BaseModel):
@@ -121,6 +144,10 @@ class JobService:
         spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.api.budget`).
         default_budget_usd: an agent's monthly budget when a job names none, USD.
         lake: the trajectory lake (exports read it).
+        versions: ``versions(version) -> bool``, whether the adapter registry holds ``version``
+            (``training.evaluate``); ``None``: every version is taken as known.
+        add_version: ``add_version(version)`` adds the ``adapter_versions`` partition (the
+            instance's ``add_dynamic_partitions`` in a deployment).
     """
 
     instance: DagsterInstance
@@ -130,6 +157,8 @@ class JobService:
     spend: Any = None
     default_budget_usd: float = 100.0
     lake: Any = None
+    versions: Any = None
+    add_version: Any = None
 
     def _runs(self, job_id: str) -> list:
         """Every run of the job (all attempts), oldest first."""
@@ -140,7 +169,7 @@ class JobService:
 
     def _state(self, runs: list) -> str:
         latest = latest_per_round(runs)
-        return job_state([r.status for r in latest], any(PAUSED_TAG in r.tags for r in latest))
+        return job_state([round_status(r) for r in latest], any(PAUSED_TAG in r.tags for r in latest))
 
     def start_grpo(self, params: StartGrpoParams) -> dict[str, Any]:
         """Submit one training round per log batch; returns the job's status.
@@ -172,12 +201,14 @@ class JobService:
         """
         every = self._runs(params.job_id)
         runs = latest_per_round(every)
-        finished = [r for r in runs if r.status == DagsterRunStatus.SUCCESS]
+        finished = [r for r in runs if round_status(r) == DagsterRunStatus.SUCCESS]
         current = next((r for r in runs if r.status in _ACTIVE), None)
         agent = runs[0].tags.get(AGENT_TAG)
         failure = next((r.tags[FAILURE_TAG] for r in runs if FAILURE_TAG in r.tags), None)
+        kind = runs[0].tags.get(KIND_TAG, "grpo")
         return {
             "job_id": params.job_id,
+            "kind": kind,
             "agent_id": agent,
             "state": self._state(every),
             "reason": failure,
@@ -187,17 +218,28 @@ class JobService:
             "progress": {"rounds_done": len(finished), "rounds_planned": len(runs), "current_batch": current.tags.get("dagster/partition") if current else None},
             "rounds": [
                 {"round": int(r.tags.get(ROUND_TAG, "0")), "batch": r.tags.get("dagster/partition"), "run_id": r.run_id,
-                 "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG), "paused": r.tags.get(PAUSED_TAG),
+                 "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG),
+                 "blocked": r.tags.get(GATE_TAG, "").startswith("keep "), "paused": r.tags.get(PAUSED_TAG),
                  "attempt": int(r.tags.get("flowopt/job_attempt", "1"))}  # fmt: skip
                 for r in runs
             ],
+            "evaluation": self._evaluation(runs[0]) if kind == "evaluate" and runs[0].status == DagsterRunStatus.SUCCESS else None,
         }
+
+    def _evaluation(self, run) -> dict[str, Any] | None:
+        """The report ``adapter_evaluation`` materialised in ``run`` (per mode: success rate with
+        its interval, mean reward, calls), or ``None``."""
+        for record in self.instance.all_logs(run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION):
+            metadata = record.dagster_event.event_specific_data.materialization.metadata
+            if "report" in metadata:
+                return {"version": metadata["version"].value, "report": metadata["report"].value}
+        return None
 
     def list_jobs(self, params: ListJobsParams) -> list[dict[str, Any]]:
         """The newest jobs (by their first run), with their states."""
-        runs = self.instance.get_runs(RunsFilter(job_name=TRAINING_JOB))
+        records = [r for name in (TRAINING_JOB, EVALUATION_JOB) for r in self.instance.get_run_records(RunsFilter(job_name=name))]
         jobs: dict[str, list] = {}
-        for run in runs:  # newest first
+        for run in (r.dagster_run for r in sorted(records, key=lambda r: r.create_timestamp, reverse=True)):  # newest first
             job = run.tags.get(JOB_TAG)
             if job:
                 jobs.setdefault(job, []).append(run)
@@ -205,7 +247,8 @@ class JobService:
         for job_id, mine in jobs.items():
             state = self._state(mine)
             if params.state in (None, state):
-                out.append({"job_id": job_id, "agent_id": mine[0].tags.get(AGENT_TAG), "state": state, "rounds_planned": len(mine)})
+                out.append({"job_id": job_id, "kind": mine[0].tags.get(KIND_TAG, "grpo"), "agent_id": mine[0].tags.get(AGENT_TAG), "state": state,
+                            "rounds_planned": len(latest_per_round(mine))})  # fmt: skip
             if len(out) >= params.limit:
                 break
         return out
@@ -267,3 +310,22 @@ class JobService:
 
     def _run_config(self, run) -> dict | None:
         return run.run_config or None
+
+    def evaluate(self, params: EvaluateParams) -> dict[str, Any]:
+        """Submit one run of ``adapter_evaluation_job`` for a registry version (its partition is
+        added first); returns the job's status, whose ``evaluation`` holds the report once the
+        run succeeded.
+
+        Raises:
+            RpcError(INVALID_PARAMS): the registry holds no such version (field ``version``).
+        """
+        if self.versions is not None and not self.versions(params.version):
+            raise RpcError(INVALID_PARAMS, f"invalid params: version: the registry holds no version {params.version!r}",
+                           {"errors": [{"field": "version", "message": "unknown registry version"}]})  # fmt: skip
+        if self.add_version is not None:
+            self.add_version(params.version)
+        overrides = {k: v for k, v in (("max_tasks", params.max_tasks), ("modes", params.modes)) if v is not None}
+        config = {"ops": {"adapter_evaluation": {"config": overrides}}} if overrides else None
+        job_id = "job-" + uuid.uuid4().hex[:12]
+        self.submit(EVALUATION_JOB, config, {"dagster/partition": params.version, JOB_TAG: job_id, KIND_TAG: "evaluate", ROUND_TAG: "1"})
+        return self.get_status(JobParams(job_id=job_id))

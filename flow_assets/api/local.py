@@ -76,7 +76,7 @@ def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Pa
                 pass
             time.sleep(0.5)
         instance = local_instance(str(home))
-        service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=env.get("FLOWOPT_LAKE"))
+        service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=env.get("FLOWOPT_LAKE"), models_root=env.get("FLOWOPT_MODELS"))
         app = create_app(training_dispatcher(service, export_dir), tokens, service, export_dir)
         config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
         server = uvicorn.Server(config)

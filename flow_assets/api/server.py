@@ -4,7 +4,8 @@
 ``Authorization: Bearer <token>``; the tokens come from ``FLOWOPT_API_TOKENS`` (comma-separated,
 read through Dagster's ``EnvVar`` convention: never in config files) and are compared in constant
 time (``hmac.compare_digest``). A missing or wrong token is HTTP 401 with JSON-RPC error -32001.
-``GET /exports/<name>`` downloads an export (token required). ``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state);
+``GET /exports/<name>`` downloads an export (token required). ``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state, each
+agent's spend this month);
 ``GET /health`` needs no token. Each request is one JSON log line (method, latency, job id).
 """
 
@@ -25,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flow_assets.api.export import ExportParams, export_trajectories
-from flow_assets.api.jobs import JobParams, JobService, ListJobsParams, StartGrpoParams
+from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams
 from flow_assets.api.jsonrpc import UNAUTHORISED, Dispatcher
 
 log = logging.getLogger("flowopt.api")
@@ -51,6 +52,7 @@ def training_dispatcher(service: JobService, export_dir: str | Path = ".exports"
     rpc.method("training.cancel", JobParams)(service.cancel)
     rpc.method("training.pause", JobParams)(service.pause)
     rpc.method("training.resume", JobParams)(service.resume)
+    rpc.method("training.evaluate", EvaluateParams)(service.evaluate)
     return rpc
 
 
@@ -80,6 +82,7 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
     latency = Histogram("flowopt_api_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=registry,
                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5))  # fmt: skip
     jobs = Gauge("flowopt_api_jobs", "training jobs by state", ["state"], registry=registry)
+    spent = Gauge("flowopt_budget_spent_usd", "spend this calendar month per agent (served tokens at configured prices + judge), USD", ["agent"], registry=registry)
 
     @app.get("/health")
     async def health() -> dict:
@@ -88,11 +91,15 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
     @app.get("/metrics")
     async def metrics() -> Response:
         if service is not None:
-            counts: dict[str, int] = {s: 0 for s in ("queued", "running", "completed", "failed", "cancelled")}
-            for job in service.list_jobs(ListJobsParams(limit=1000)):
+            counts: dict[str, int] = {s: 0 for s in ("queued", "running", "paused", "completed", "failed", "cancelled")}
+            listed = service.list_jobs(ListJobsParams(limit=1000))
+            for job in listed:
                 counts[job["state"]] += 1
             for state, n in counts.items():
                 jobs.labels(state).set(n)
+            if service.spend is not None:  # this month's spend of every agent a job trains
+                for agent in sorted({j["agent_id"] for j in listed if j["agent_id"]}):
+                    spent.labels(agent).set(service.spend(agent).total_usd)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/rpc")
@@ -140,10 +147,14 @@ def _summaries(body: bytes, answer: bytes | None) -> list[tuple[str, str, str | 
     return out
 
 
-def deployment_service(instance, dagster_url: str, location: str = "flowopt", lake_root: str | None = None) -> JobService:
+def deployment_service(
+    instance, dagster_url: str, location: str = "flowopt", lake_root: str | None = None, models_root: str | None = None
+) -> JobService:
     """The job service of a deployment: runs read from ``instance``, submitted and terminated
     through the webserver's GraphQL API at ``dagster_url`` (``http://host:port``), with the
-    ``dagster-graphql`` client.
+    ``dagster-graphql`` client; the lake and the adapter registry (``training.evaluate``) at
+    ``lake_root`` / ``models_root``, else ``FLOWOPT_LAKE`` / ``FLOWOPT_MODELS`` (as the code
+    location reads them).
 
     Raises:
         ValueError: ``dagster_url`` is not ``http(s)://host:port``.
@@ -152,7 +163,8 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", la
 
     from dagster_graphql import DagsterGraphQLClient
 
-    from flow_assets.partitions import log_batches
+    from flow_assets.partitions import adapter_versions, log_batches
+    from resources.registry import AdapterRegistry
 
     url = urlparse(dagster_url)
     if url.scheme not in ("http", "https") or not url.hostname:
@@ -167,8 +179,11 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", la
 
     lake = TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake"))
     prices = prices_from_env()
+    registry = AdapterRegistry(root=models_root or os.environ.get("FLOWOPT_MODELS", ".models"))
     return JobService(
         instance=instance, submit=submit, terminate=lambda run_ids: client.terminate_runs(run_ids),
         partitions=lambda: set(instance.get_dynamic_partitions(log_batches.name)),
         spend=lambda agent: lake_spend(lake, agent, prices=prices), default_budget_usd=monthly_budget_from_env(), lake=lake,
+        versions=lambda version: registry.version(version) is not None,
+        add_version=lambda version: instance.add_dynamic_partitions(adapter_versions.name, [version]),
     )  # fmt: skip

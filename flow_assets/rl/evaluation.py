@@ -30,7 +30,11 @@ POLICIES = ("candidate", "champion")
 MODES = ("greedy", "sampled")
 
 
-def _policy_summary(rows: pl.DataFrame) -> dict:
+def policy_summary(rows: pl.DataFrame) -> dict:
+    """One policy's rollouts (rows of :data:`EVAL_SCHEMA`, one mode): success rate with its 95%
+    Wilson interval, and per rollout the mean reward, completion tokens, LLM calls and tool calls
+    with 95% t intervals (each a dict of :class:`~flow_assets.rl.eval_stats.SuccessRate` /
+    :class:`~flow_assets.rl.eval_stats.MeanInterval` fields)."""
     return {
         "success_rate": asdict(success_rate(rows["success"].to_list())),
         "avg_reward": asdict(mean_interval(rows["reward"].to_list())),
@@ -58,7 +62,7 @@ def compare_policies(rows: pl.DataFrame, bootstrap_seed: int = 0) -> dict:
         cand, champ = by_policy["candidate"], by_policy["champion"]
         if cand["task_id"].to_list() != champ["task_id"].to_list():
             raise ValueError(f"{mode}: candidate and champion were evaluated on different tasks")
-        summaries = {p: _policy_summary(f) for p, f in by_policy.items()}
+        summaries = {p: policy_summary(f) for p, f in by_policy.items()}
         report[mode] = {
             **summaries,
             "n_tasks": cand.height,
@@ -70,4 +74,23 @@ def compare_policies(rows: pl.DataFrame, bootstrap_seed: int = 0) -> dict:
         }
     if not report:
         raise ValueError("no mode has both a candidate and a champion evaluation")
+    return report
+
+
+def summarise_policy(rows: pl.DataFrame) -> dict:
+    """One policy's held-out evaluation on its own (``training.evaluate``): per mode present in
+    ``rows`` (rows of :data:`EVAL_SCHEMA` of a single policy), :func:`policy_summary` and
+    ``n_tasks``.
+
+    Raises:
+        ValueError: ``rows`` is empty or holds more than one policy.
+    """
+    policies = rows["policy"].unique().to_list()
+    if len(policies) != 1:
+        raise ValueError(f"expected the rows of one policy, got {sorted(map(str, policies)) or 'none'}")
+    report = {}
+    for mode in MODES:
+        mine = rows.filter(pl.col("mode") == mode)
+        if mine.height:
+            report[mode] = {**policy_summary(mine), "n_tasks": mine.height}
     return report
