@@ -1,6 +1,8 @@
 """Shared fixtures: the real agent logs beside the repo, and a real Dagster instance."""
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,31 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
         except SystemExit as exc:  # argparse refusing its arguments
             rc = exc.code if isinstance(exc.code, int) else 2
     return rc, out.getvalue(), err.getvalue()
+
+
+PG_HOST, PG_PORT, PG_USER = os.environ.get("FLOWOPT_PG_HOST", "127.0.0.1"), 5432, os.environ.get("FLOWOPT_PG_USER", "postgres")
+
+
+@contextlib.contextmanager
+def postgres_database():
+    """A database of its own on the PostgreSQL server at ``FLOWOPT_PG_HOST``:5432 (trust auth),
+    dropped afterwards; yields its dagster-postgres ``postgres_db`` config. Skips the test with
+    the reason where no server answers."""
+    import psycopg2
+
+    name = f"flowopt_test_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", connect_timeout=5)
+    except psycopg2.OperationalError as exc:
+        pytest.skip(f"no PostgreSQL server at {PG_HOST}:{PG_PORT}: {exc}")
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f'create database "{name}"')
+    try:
+        # SQLAlchemy 2.1 maps plain postgresql:// to psycopg 3, whose server-side binding breaks
+        # dagster-postgres' NOTIFY; the psycopg2 driver is named explicitly (as in dagster.yaml)
+        yield {"hostname": PG_HOST, "port": PG_PORT, "username": PG_USER, "password": "", "db_name": name, "scheme": "postgresql+psycopg2"}
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f'drop database if exists "{name}" with (force)')
+        admin.close()

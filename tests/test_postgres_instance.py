@@ -4,9 +4,7 @@ Uses the PostgreSQL on 127.0.0.1:5432 (trust auth) with a database created for t
 dropped afterwards; skipped with a clear reason where no server answers.
 """
 
-import os
 import shutil
-import uuid
 
 import psycopg2
 import pytest
@@ -16,34 +14,17 @@ from flow_assets.definitions import build_definitions
 from flow_assets.local import execute_requests, tick_sensor
 from flow_assets.partitions import log_batches
 from resources.lake import TrajectoryLake
-from tests.conftest import TAU_BENCH
-
-HOST, PORT, USER = os.environ.get("FLOWOPT_PG_HOST", "127.0.0.1"), 5432, os.environ.get("FLOWOPT_PG_USER", "postgres")
+from tests.conftest import PG_HOST as HOST, PG_PORT as PORT, PG_USER as USER, TAU_BENCH, postgres_database
 
 
 @pytest.fixture
 def postgres_db():
-    name = f"flowopt_test_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = psycopg2.connect(host=HOST, port=PORT, user=USER, dbname="postgres", connect_timeout=5)
-    except psycopg2.OperationalError as exc:
-        pytest.skip(f"no PostgreSQL server at {HOST}:{PORT}: {exc}")
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'create database "{name}"')
-    try:
-        yield name
-    finally:
-        with admin.cursor() as cur:
-            cur.execute(f'drop database if exists "{name}" with (force)')
-        admin.close()
+    with postgres_database() as db:
+        yield db
 
 
 def test_sensor_runs_and_partitions_live_in_postgres(tmp_path, postgres_db):
-    # SQLAlchemy 2.1 maps plain postgresql:// to psycopg 3, whose server-side binding breaks
-    # dagster-postgres' NOTIFY; the psycopg2 driver is named explicitly (as in dagster.yaml)
-    db = {"hostname": HOST, "port": PORT, "username": USER, "password": "", "db_name": postgres_db, "scheme": "postgresql+psycopg2"}
-    storage = {"postgres": {"postgres_db": db}}
+    storage = {"postgres": {"postgres_db": postgres_db}}
     landing, lake_root = tmp_path / "landing", tmp_path / "lake"
     (landing / "tau-bench").mkdir(parents=True)
     shutil.copyfile(TAU_BENCH, landing / "tau-bench" / TAU_BENCH.name)
@@ -57,7 +38,7 @@ def test_sensor_runs_and_partitions_live_in_postgres(tmp_path, postgres_db):
         assert instance.get_materialized_partitions(AssetKey("advantages")) == {key}
         assert TrajectoryLake(root=str(lake_root)).read_partition("trajectories", key).height == 200
     # the rows are in the server, not in a local file: a new connection sees them
-    with psycopg2.connect(host=HOST, port=PORT, user=USER, dbname=postgres_db) as conn, conn.cursor() as cur:
+    with psycopg2.connect(host=HOST, port=PORT, user=USER, dbname=postgres_db["db_name"]) as conn, conn.cursor() as cur:
         cur.execute("select count(*) from runs")
         assert cur.fetchone()[0] == 1
         cur.execute("select partition from dynamic_partitions")
@@ -77,8 +58,7 @@ def test_concurrent_ingests_on_a_new_postgres_instance(tmp_path, postgres_db):
 
     home = tmp_path / "home"
     home.mkdir()
-    db = {"hostname": HOST, "port": PORT, "username": USER, "db_name": postgres_db, "scheme": "postgresql+psycopg2"}
-    (home / "dagster.yaml").write_text(yaml.safe_dump({"storage": {"postgres": {"postgres_db": db}}, "telemetry": {"enabled": False}}))
+    (home / "dagster.yaml").write_text(yaml.safe_dump({"storage": {"postgres": {"postgres_db": postgres_db}}, "telemetry": {"enabled": False}}))
     tau2 = sorted((SHARED_DATA / "tau2-bench").rglob("*.json"))[0]
     flowopt = str(Path(sys.executable).with_name("flowopt"))
     cmds = [[flowopt, "ingest", str(f), "--landing", str(tmp_path / "landing"), "--lake", str(tmp_path / "lake"), "--home", str(home)]

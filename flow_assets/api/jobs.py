@@ -204,7 +204,7 @@ class JobService:
         finished = [r for r in runs if round_status(r) == DagsterRunStatus.SUCCESS]
         current = next((r for r in runs if r.status in _ACTIVE), None)
         agent = runs[0].tags.get(AGENT_TAG)
-        failure = next((r.tags[FAILURE_TAG] for r in runs if FAILURE_TAG in r.tags), None)
+        failure = next((self._failure(r) for r in runs if round_status(r) == DagsterRunStatus.FAILURE), None)
         kind = runs[0].tags.get(KIND_TAG, "grpo")
         return {
             "job_id": params.job_id,
@@ -225,6 +225,17 @@ class JobService:
             ],
             "evaluation": self._evaluation(runs[0]) if kind == "evaluate" and runs[0].status == DagsterRunStatus.SUCCESS else None,
         }
+
+    def _failure(self, run) -> str:
+        """Why a failed round failed: its ``flowopt/job_failure`` tag (``budget``), else
+        ``error: <the first step failure's message>``."""
+        if FAILURE_TAG in run.tags:
+            return run.tags[FAILURE_TAG]
+        for record in self.instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE):
+            error = record.dagster_event.step_failure_data.error
+            if error is not None:
+                return "error: " + error.message.strip().splitlines()[0][:300]
+        return "error"
 
     def _evaluation(self, run) -> dict[str, Any] | None:
         """The report ``adapter_evaluation`` materialised in ``run`` (per mode: success rate with
