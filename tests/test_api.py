@@ -68,7 +68,10 @@ def test_a_call_without_a_valid_token_is_refused(api):
     assert httpx.get(url + "/health").json() == {"ok": True}
 
 
-def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api):
+def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flowopt.api")
     url, key, instance = api
     bad = _rpc(url, "training.start_grpo", {"agent_id": "tau", "log_batches": [key, "no-such-batch"]}).json()["error"]
     assert bad["code"] == INVALID_PARAMS and bad["data"]["errors"][0]["field"] == "log_batches.1"
@@ -92,6 +95,13 @@ def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api):
     assert by_id["u"]["error"]["code"] == UNKNOWN_JOB
     cancelled = _rpc(url, "training.cancel", {"job_id": job}).json()["result"]
     assert cancelled["state"] == "cancelled" and {r["status"] for r in cancelled["rounds"]} == {"canceled"}
+    # one JSON line per event, naming the job and, for runs, the run
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "flowopt.api"]
+    submitted = {e["run_id"] for e in events if e["event"] == "run_submitted" and e["job_id"] == job}
+    terminated = {e["run_id"] for e in events if e["event"] == "run_terminated" and e["job_id"] == job}
+    assert submitted == terminated == {r.run_id for r in mine}
+    assert {"rpc"} <= {e["event"] for e in events} and all(e["ts"].endswith("+00:00") for e in events)
+    assert any(e["event"] == "rpc" and e["method"] == "training.cancel" and e["job_id"] == job for e in events)
     again = _rpc(url, "training.cancel", {"job_id": job}).json()["error"]
     assert again["code"] == INVALID_STATE and "cancelled" in again["message"]
     metrics = httpx.get(url + "/metrics").text

@@ -25,8 +25,11 @@ whose budget runs out stops at the next round boundary, state ``failed``, reason
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
@@ -41,6 +44,15 @@ GATE_TAG = "flowopt/gate"
 BUDGET_TAG = "flowopt/job_budget_usd"
 FAILURE_TAG = "flowopt/job_failure"
 PAUSED_TAG = "flowopt/job_paused"
+log = logging.getLogger("flowopt.api")
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One structured log line on the ``flowopt.api`` logger: a JSON object with ``ts`` (UTC,
+    ISO 8601, milliseconds), ``event`` and ``fields`` (``job_id``, ``run_id``, ...)."""
+    log.info(json.dumps({"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "event": event, **fields}, default=str))
+
+
 #: ``grpo`` (training.start_grpo) or ``evaluate`` (training.evaluate); absent = grpo
 KIND_TAG = "flowopt/job_kind"
 
@@ -167,6 +179,17 @@ class JobService:
             raise RpcError(UNKNOWN_JOB, f"unknown job {job_id!r}")
         return list(reversed(runs))
 
+    def _submit(self, job_name: str, run_config: dict | None, tags: dict[str, str]) -> str:
+        run_id = self.submit(job_name, run_config, tags)
+        log_event("run_submitted", job_id=tags[JOB_TAG], run_id=run_id, dagster_job=job_name, partition=tags.get("dagster/partition"),
+                  round=tags.get(ROUND_TAG), attempt=tags.get("flowopt/job_attempt", "1"))  # fmt: skip
+        return run_id
+
+    def _terminate(self, job_id: str, run_ids: list[str], why: str) -> None:
+        self.terminate(run_ids)
+        for run_id in run_ids:
+            log_event("run_terminated", job_id=job_id, run_id=run_id, why=why)
+
     def _state(self, runs: list) -> str:
         latest = latest_per_round(runs)
         return job_state([round_status(r) for r in latest], any(PAUSED_TAG in r.tags for r in latest))
@@ -190,7 +213,7 @@ class JobService:
         job_id = "job-" + uuid.uuid4().hex[:12]
         for i, key in enumerate(params.log_batches, start=1):
             tags = {"dagster/partition": key, JOB_TAG: job_id, AGENT_TAG: params.agent_id, ROUND_TAG: str(i), BUDGET_TAG: repr(budget)}
-            self.submit(TRAINING_JOB, params.config or None, tags)
+            self._submit(TRAINING_JOB, params.config or None, tags)
         return self.get_status(JobParams(job_id=job_id))
 
     def get_status(self, params: JobParams) -> dict[str, Any]:
@@ -275,7 +298,7 @@ class JobService:
         open_runs = [r.run_id for r in runs if r.status not in _FINISHED]
         if not open_runs:
             raise RpcError(INVALID_STATE, f"job {params.job_id!r} has finished ({self._state(runs)}); nothing to cancel")
-        self.terminate(open_runs)
+        self._terminate(params.job_id, open_runs, "cancel")
         return self.get_status(params)
 
     def pause(self, params: JobParams) -> dict[str, Any]:
@@ -291,11 +314,12 @@ class JobService:
         if state not in ("queued", "running"):
             raise RpcError(INVALID_STATE, f"job {params.job_id!r} is {state}; only a queued or running job can be paused")
         self.instance.run_storage.set_cursor_values({pause_key(params.job_id): "requested"})
+        log_event("pause_requested", job_id=params.job_id)
         queued = [r for r in latest_per_round(runs) if r.status in _QUEUED]
         for run in queued:
             self.instance.add_run_tags(run.run_id, {PAUSED_TAG: "before it started"})
         if queued:
-            self.terminate([r.run_id for r in queued])
+            self._terminate(params.job_id, [r.run_id for r in queued], "pause")
         return self.get_status(params)
 
     def resume(self, params: JobParams) -> dict[str, Any]:
@@ -316,7 +340,7 @@ class JobService:
             keep = ("dagster/partition", JOB_TAG, AGENT_TAG, ROUND_TAG, BUDGET_TAG)
             tags = {k: run.tags[k] for k in keep if k in run.tags}
             tags["flowopt/job_attempt"] = str(int(run.tags.get("flowopt/job_attempt", "1")) + 1)
-            self.submit(TRAINING_JOB, self._run_config(run), tags)
+            self._submit(TRAINING_JOB, self._run_config(run), tags)
         return self.get_status(params)
 
     def _run_config(self, run) -> dict | None:
@@ -338,5 +362,5 @@ class JobService:
         overrides = {k: v for k, v in (("max_tasks", params.max_tasks), ("modes", params.modes)) if v is not None}
         config = {"ops": {"adapter_evaluation": {"config": overrides}}} if overrides else None
         job_id = "job-" + uuid.uuid4().hex[:12]
-        self.submit(EVALUATION_JOB, config, {"dagster/partition": params.version, JOB_TAG: job_id, KIND_TAG: "evaluate", ROUND_TAG: "1"})
+        self._submit(EVALUATION_JOB, config, {"dagster/partition": params.version, JOB_TAG: job_id, KIND_TAG: "evaluate", ROUND_TAG: "1"})
         return self.get_status(JobParams(job_id=job_id))

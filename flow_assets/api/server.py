@@ -6,14 +6,14 @@ read through Dagster's ``EnvVar`` convention: never in config files) and are com
 time (``hmac.compare_digest``). A missing or wrong token is HTTP 401 with JSON-RPC error -32001.
 ``GET /exports/<name>`` downloads an export (token required). ``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state, each
 agent's spend this month);
-``GET /health`` needs no token. Each request is one JSON log line (method, latency, job id).
+``GET /health`` needs no token. Logs are JSON lines on the ``flowopt.api`` logger, one per event:
+each call (method, outcome, latency, job id), each run submitted or terminated (job id, run id).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import logging
 import os
 import uuid
 from pathlib import Path
@@ -26,11 +26,8 @@ from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flow_assets.api.export import ExportParams, export_trajectories
-from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams
+from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams, log_event
 from flow_assets.api.jsonrpc import UNAUTHORISED, Dispatcher
-
-log = logging.getLogger("flowopt.api")
-
 
 def training_dispatcher(service: JobService, export_dir: str | Path = ".exports") -> Dispatcher:
     """The ``training.*`` methods on ``service``; exports without a ``path`` go to ``export_dir``
@@ -115,7 +112,7 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
         latency.labels("/rpc").observe(seconds)
         for method, outcome, job in _summaries(body, answer):
             requests.labels(method, outcome).inc()
-            log.info(json.dumps({"event": "rpc", "method": method, "outcome": outcome, "job_id": job, "seconds": round(seconds, 6)}))
+            log_event("rpc", method=method, outcome=outcome, job_id=job, seconds=round(seconds, 6))
         if answer is None:
             return Response(status_code=204)
         return Response(answer, media_type="application/json")
