@@ -250,6 +250,15 @@ def _api(args: argparse.Namespace) -> int:
     if not tokens:
         print("flowopt api: set FLOWOPT_API_TOKENS (comma-separated bearer tokens); without one every call is refused", file=sys.stderr)
         return 2
+    import logging
+
+    # the API's events are JSON lines already: written as they are, to stderr
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    events = logging.getLogger("flowopt.api")
+    events.addHandler(handler)
+    events.setLevel(logging.INFO)
+    events.propagate = False
     instance = local_instance(args.home)
     service = deployment_service(instance, args.dagster_url)
     exports = os.environ.get("FLOWOPT_EXPORTS", ".exports")
