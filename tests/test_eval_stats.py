@@ -7,6 +7,7 @@ import pytest
 from flow_assets.rl.eval_stats import (
     mcnemar_exact,
     mean_interval,
+    newcombe_interval,
     paired_bootstrap,
     student_t_quantile,
     success_rate,
@@ -91,3 +92,25 @@ def test_paired_bootstrap_is_seeded_and_brackets_the_mean():
     assert a.prob_not_better == pytest.approx(0.7**10, abs=0.015)
     same = paired_bootstrap(cand, cand, n_resamples=100)
     assert (same.mean_diff, same.ci_low, same.ci_high, same.prob_not_better) == (0.0, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        # Newcombe (1998), Table II, method 10 (hybrid score), examples (a), (b), (c), (d), (g), (h)
+        ((56, 70, 48, 80), (0.0524, 0.3339)),
+        ((9, 10, 3, 10), (0.1705, 0.8090)),
+        ((6, 7, 2, 7), (0.0582, 0.8062)),
+        ((5, 56, 0, 29), (-0.0381, 0.1926)),
+        ((0, 10, 0, 20), (-0.1611, 0.2775)),
+        ((10, 10, 0, 20), (0.6791, 1.0)),
+    ],
+)
+def test_newcombe_interval_matches_the_published_table(counts, expected):
+    low, high = newcombe_interval(*counts)
+    assert (low, high) == (pytest.approx(expected[0], abs=1e-4), pytest.approx(expected[1], abs=1e-4))
+
+
+def test_newcombe_interval_refuses_an_empty_arm():
+    with pytest.raises(ValueError):
+        newcombe_interval(0, 0, 3, 10)
