@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "api",
         help="the JSON-RPC 2.0 training API (training.start_grpo, get_status, list_jobs, cancel) on Dagster runs",
         description="Serves POST /rpc (bearer tokens from FLOWOPT_API_TOKENS), GET /metrics (Prometheus) and GET /health. "
-        "Jobs are runs of training_round_job submitted through the Dagster webserver's GraphQL API and read from the instance.",
+        "Jobs are runs of training_round_job (and adapter_evaluation_job) submitted through the Dagster webserver's GraphQL API and read from the instance.",
     )
     api.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     api.add_argument("--port", type=int, default=8100, help="port (default 8100)")
