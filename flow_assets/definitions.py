@@ -2,8 +2,9 @@
 
 Paths come from the environment so the same code serves the demo, CI and a deployment:
 ``FLOWOPT_LAKE`` (default ``.lake``), ``FLOWOPT_LANDING`` (default ``.landing``) and
-``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry), relative to
-the working directory of the process that loads the code location; ``FLOWOPT_SETTLE_SECONDS``
+``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry) and
+``FLOWOPT_WORKFLOWS`` (default ``.workflows``: workflow definitions, proposals, review audit log),
+relative to the working directory of the process that loads the code location; ``FLOWOPT_SETTLE_SECONDS``
 (default 10) how long a landed file must stay unmodified before the sensor reads it; ``FLOWOPT_BASE_MODEL`` points
 at a user's own model directory instead of the tiny demo model; ``FLOWOPT_SELF_PLAY_ROUNDS`` and
 ``FLOWOPT_RUN_CONFIG`` drive the loop (:class:`resources.loop.TrainingLoop`);
@@ -18,9 +19,10 @@ from dagster import Definitions, EnvVar, in_process_executor
 
 from flow_assets.adapter_evaluation import adapter_evaluation
 from flow_assets.data_plane import data_plane_assets, landed_logs
-from flow_assets.jobs import ab_test_job, adapter_evaluation_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.jobs import ab_test_job, adapter_evaluation_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job, workflow_proposals_job
 from flow_assets.live_traffic import live_assets
 from flow_assets.training import training_assets
+from flow_assets.workflow_assets import workflow_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from resources.loop import TrainingLoop
@@ -30,6 +32,7 @@ from resources.tracking import ExperimentTracking
 from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from resources.workflows import WorkflowDirectory
 from sensors.ab_monitor import ab_monitor_sensor
 from sensors.new_logs import new_logs_sensor
 from sensors.self_play import self_play_sensor
@@ -60,6 +63,7 @@ def build_resources(
     tracking: ExperimentTracking | None = None,
     live_ab: LiveAB | None = None,
     judge: JudgeEndpoint | None = None,
+    workflows_root: str | None = None,
 ) -> dict:
     """The resources of the code location, with paths from arguments, else the environment.
 
@@ -70,7 +74,8 @@ def build_resources(
     ``loop`` the self-play and run-config settings (default: ``FLOWOPT_SELF_PLAY_ROUNDS``,
     ``FLOWOPT_RUN_CONFIG``); ``tracking`` where training metrics are exported besides Dagster
     (default: ``FLOWOPT_TRACKING``, empty = off); ``live_ab`` whether a gated candidate enters
-    live A/B as challenger (default: ``FLOWOPT_LIVE_AB`` off, ``FLOWOPT_LIVE_AB_SHARE`` 0.1).
+    live A/B as challenger (default: ``FLOWOPT_LIVE_AB`` off, ``FLOWOPT_LIVE_AB_SHARE`` 0.1);
+    ``workflows_root`` the workflow directory (default: ``FLOWOPT_WORKFLOWS``, else ``.workflows``).
     """
     models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
     base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
@@ -90,6 +95,7 @@ def build_resources(
         ),
         "judge": judge or judge_from_env(),
         "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
+        "workflows": WorkflowDirectory(root=workflows_root or os.environ.get("FLOWOPT_WORKFLOWS", ".workflows")),
         "landing": LogLanding(
             directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
             formats=formats or {},
@@ -110,6 +116,7 @@ def build_definitions(
     tracking: ExperimentTracking | None = None,
     live_ab: LiveAB | None = None,
     judge: JudgeEndpoint | None = None,
+    workflows_root: str | None = None,
 ) -> Definitions:
     """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
     base models and settle times (:func:`build_resources`)."""
@@ -117,10 +124,10 @@ def build_definitions(
         # every job here is a chain of steps: one process per run (not one per step, which costs
         # a fresh import of torch and the code location for each step)
         executor=in_process_executor,
-        assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets, adapter_evaluation],
-        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job, adapter_evaluation_job],
+        assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets, adapter_evaluation, *workflow_assets],
+        jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job, adapter_evaluation_job, workflow_proposals_job],
         sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor, ab_monitor_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab, judge),
+        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab, judge, workflows_root),
     )
 
 

@@ -4,13 +4,15 @@ from dagster import AssetSelection, define_asset_job
 
 from flow_assets.data_plane import data_plane_assets
 from flow_assets.partitions import adapter_versions, log_batches
+from flow_assets.workflow_assets import workflow_proposals, workflow_step_stats
 
-#: One log batch through the data plane: interaction_logs -> trajectories -> rewards -> advantages.
+#: One log batch through the data plane: interaction_logs -> trajectories -> rewards -> advantages,
+#: and the batch's workflow step statistics (a polars aggregation: tens of milliseconds).
 log_batch_job = define_asset_job(
     "log_batch_job",
-    selection=AssetSelection.assets(*data_plane_assets),
+    selection=AssetSelection.assets(*data_plane_assets, workflow_step_stats),
     partitions_def=log_batches,
-    description="Parse, score and normalise one log batch.",
+    description="Parse, score and normalise one log batch, and compute its workflow step statistics.",
 )
 
 #: The base policy (tiny model + SFT warm start, or the user's model) and champion v0.
@@ -56,4 +58,11 @@ adapter_evaluation_job = define_asset_job(
     selection=AssetSelection.assets("adapter_evaluation"),
     partitions_def=adapter_versions,
     description="Evaluate one registry version of the policy on the held-out tasks (success, reward, calls, with intervals).",
+)
+
+#: Workflow proposals from every batch's steps, for a person to review (flowopt proposals).
+workflow_proposals_job = define_asset_job(
+    "workflow_proposals_job",
+    selection=AssetSelection.assets(workflow_proposals),
+    description="Propose workflow changes (JSON Patch with evidence) from the steps of every log batch; nothing is applied.",
 )

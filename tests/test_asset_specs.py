@@ -21,6 +21,8 @@ LINEAGE = {
     "training_history": ["promoted_adapter"],
     "ab_test_report": ["rewards"],
     "adapter_evaluation": ["champion"],
+    "workflow_step_stats": ["trajectories"],
+    "workflow_proposals": ["trajectories", "workflow_step_stats"],
 }
 CHECKS = {
     ("interaction_logs", "records_conserved"),
@@ -48,6 +50,7 @@ def test_lineage_is_the_loop_champion_rollouts_logs_round(defs):
     assert {k.to_user_string() for k in graph.external_asset_keys} == EXTERNAL
     assert {s.group_name for k, s in specs.items() if k in ("interaction_logs", "advantages", "landed_logs")} == {"data_plane"}
     assert {s.group_name for k, s in specs.items() if k in ("base_policy", "champion", "rollouts", "promoted_adapter", "adapter_evaluation")} == {"training"}
+    assert {s.group_name for k, s in specs.items() if k.startswith("workflow_")} == {"workflows"}
 
 
 def test_every_gate_check_blocks_and_says_what_it_checks(defs):
