@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, ingest PATH..., serve, models, registry, promote, rollback, schema, ui-tour."""
+Commands: demo, demo-real, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -266,6 +266,54 @@ def _api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proposals(args: argparse.Namespace) -> int:
+    from flow_assets.workflows.definition import WorkflowError, WorkflowStore
+    from flow_assets.workflows.review import ProposalBoard, ProposalNotFound, ReviewRefused
+
+    board = ProposalBoard(WorkflowStore(args.workflows))
+    command = f"flowopt proposals {args.proposals_command}"
+    try:
+        if args.proposals_command == "list":
+            found = board.find(status=None if args.status == "all" else args.status, agent_id=args.agent)
+            if args.json:
+                print(json.dumps([p.model_dump(mode="json", exclude={"evidence"}) for p in found], indent=2, ensure_ascii=False))
+                return 0
+            if not found:
+                print(f"no {'' if args.status == 'all' else args.status + ' '}proposals in {board.proposals_dir}", file=sys.stderr)
+            for p in found:
+                e = p.evidence
+                print(f"{p.id}  {p.status:10} {p.agent_id}  v{p.base_version}  {p.rule}  {p.step_id}  "
+                      f"effect {e.effect:+.3f} [{e.effect_low:+.3f}, {e.effect_high:+.3f}]  n={e.n_trajectories}\n    {p.summary}")  # fmt: skip
+            return 0
+        if args.proposals_command == "show":
+            proposal = board.get(args.id)
+            current = board.store.current(proposal.agent_id)
+            refusal = board.check(args.id)
+            shown = proposal.model_dump(mode="json") | {
+                "current_version": current.version if current else None,
+                "applies_now": refusal is None,
+                **({"would_be_refused": refusal} if refusal else {}),
+            }
+            print(json.dumps(shown, indent=2, ensure_ascii=False))
+            return 0
+        by = args.by or getpass.getuser()
+        if args.proposals_command == "approve":
+            proposal, saved = board.approve(args.id, by=by, reason=args.reason)
+            out = {"proposal": proposal.id, "status": proposal.status, "agent_id": saved.agent_id, "version": saved.version,
+                   "previous_version": saved.change.previous_version, "workflow": str(board.store.path(saved.agent_id))}  # fmt: skip
+        else:
+            proposal = board.reject(args.id, by=by, reason=args.reason)
+            out = {"proposal": proposal.id, "status": proposal.status, "agent_id": proposal.agent_id, "reason": args.reason}
+    except ProposalNotFound:
+        print(f"{command}: no proposal {args.id!r} in {board.proposals_dir}", file=sys.stderr)
+        return 2
+    except (ReviewRefused, WorkflowError) as exc:
+        print(f"{command}: refused: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
     from flow_assets.logs.schema import json_schema
 
@@ -430,6 +478,32 @@ def main(argv: list[str] | None = None) -> int:
                      help="the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else http://127.0.0.1:3000)")  # fmt: skip
     api.add_argument("--home", default=None, help="DAGSTER_HOME of the instance (default $DAGSTER_HOME)")
     api.set_defaults(fn=_api)
+    proposals = sub.add_parser(
+        "proposals",
+        help="review the workflow changes workflow_proposals proposed: list, show, approve, reject",
+        description="Proposals are JSON Patches against an agent's workflow definition, with their evidence (docs/workflows.md). "
+        "approve applies one as a new version of the definition (the previous one is kept); every decision goes to the "
+        "append-only audit log <workflows>/audit.jsonl. Exit codes: 1 refused (the reason on stderr), 2 no such proposal.",
+    )
+    proposals_sub = proposals.add_subparsers(dest="proposals_command", required=True)
+    workflows_help = "workflow directory (default $FLOWOPT_WORKFLOWS, else .workflows)"
+    proposals_list = proposals_sub.add_parser("list", help="the proposals, oldest first")
+    proposals_list.add_argument("--status", default="open", choices=["open", "applied", "rejected", "stale", "superseded", "all"],
+                         help="show only proposals with this status (default open)")  # fmt: skip
+    proposals_list.add_argument("--agent", default=None, help="only this agent's proposals")
+    proposals_list.add_argument("--json", action="store_true", help="JSON (without the evidence) instead of text")
+    show = proposals_sub.add_parser("show", help="one proposal: patch, evidence, status, and whether it applies now")
+    approve = proposals_sub.add_parser("approve", help="apply a proposal's patch as a new workflow version")
+    approve.add_argument("--reason", default=None, help="why (recorded in the audit log)")
+    reject = proposals_sub.add_parser("reject", help="reject a proposal (the workflow is untouched)")
+    reject.add_argument("--reason", required=True, help="why (recorded in the audit log)")
+    for cmd in (show, approve, reject):
+        cmd.add_argument("id", help="proposal id (wp-...), from flowopt proposals list")
+    for cmd in (approve, reject):
+        cmd.add_argument("--by", default=None, help="who decides (default: the current user)")
+    for cmd in (proposals_list, show, approve, reject):
+        cmd.add_argument("--workflows", default=None, help=workflows_help)
+        cmd.set_defaults(fn=_proposals)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)
