@@ -86,7 +86,7 @@ def test_data_plane_quick_reports_every_size_and_the_floor_ratio():
     assert [s["steps"] >= target for s, target in zip(result["sizes"], data_plane.QUICK_SIZES)] == [True, True]
     for size in result["sizes"]:
         assert_summary(size["job_seconds"], n=1)
-        assert set(size["asset_seconds"]) == {"interaction_logs", "trajectories", "rewards", "advantages"}
+        assert set(size["asset_seconds"]) == {"interaction_logs", "trajectories", "rewards", "advantages", "workflow_step_stats"}
         for key in ("trajectories_per_second", "steps_per_second", "ratio_to_floor", "seconds_per_million_steps"):
             assert positive(size[key]), key
         assert size["peak_rss_mb"]["median"] > size["baseline_rss_mb"]["median"] > 0
