@@ -66,6 +66,15 @@ def test_a_call_without_a_valid_token_is_refused(api):
         assert reply.status_code == 401 and reply.json()["error"]["code"] == UNAUTHORISED
     assert _rpc(url, "training.list_jobs", token="other").status_code == 200  # any configured token
     assert httpx.get(url + "/health").json() == {"ok": True}
+    # the framing errors over HTTP, authorised: never a trace, each its code
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    parse = httpx.post(url + "/rpc", content=b'{"jsonrpc": "2.0", "method"', headers=headers).json()
+    assert parse["error"]["code"] == -32700 and parse["id"] is None
+    invalid = httpx.post(url + "/rpc", json={"jsonrpc": "1.0", "method": "training.list_jobs", "id": 7}, headers=headers).json()
+    assert invalid["error"]["code"] == -32600
+    unknown = _rpc(url, "training.start_ppo").json()["error"]
+    assert unknown["code"] == -32601 and "training.start_ppo" in unknown["message"]
+    assert all("Traceback" not in json.dumps(r) for r in (parse, invalid, unknown))
 
 
 def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api, caplog):
