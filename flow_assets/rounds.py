@@ -30,6 +30,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from flow_assets.atomic import write_json_atomic
 from flow_assets.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
 from flow_assets.gateway.app import GatewayConfig
 from flow_assets.gateway.engine import AdapterRef
@@ -61,12 +62,6 @@ class Registry(Protocol):
 
 class RoundError(RuntimeError):
     """A round cannot go on (no champion, no trainable rollouts, a changed champion)."""
-
-
-def _write_json(path: Path, content: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(content, indent=2, sort_keys=True))
-    tmp.replace(path)
 
 
 def require_champion(registry: Registry) -> dict[str, Any]:
@@ -280,7 +275,7 @@ class RoundSummary:
 def write_round_summary(summary: RoundSummary, run_dir: Path) -> Path:
     """Write ``run_dir/round.json`` atomically."""
     path = Path(run_dir) / "round.json"
-    _write_json(path, dataclasses.asdict(summary))
+    write_json_atomic(path, dataclasses.asdict(summary), sort_keys=True)
     return path
 
 
@@ -468,7 +463,7 @@ class EvaluationResult:
 def write_evaluation(result: EvaluationResult, run_dir: Path) -> Path:
     """Write ``run_dir/evaluation.json`` atomically."""
     path = Path(run_dir) / "evaluation.json"
-    _write_json(path, dataclasses.asdict(result))
+    write_json_atomic(path, dataclasses.asdict(result), sort_keys=True)
     return path
 
 

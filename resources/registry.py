@@ -18,7 +18,6 @@ import getpass
 import json
 from contextlib import contextmanager
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,6 +25,8 @@ from typing import Any, Iterator
 from dagster import ConfigurableResource
 from filelock import FileLock
 from pydantic import Field
+
+from flow_assets.atomic import write_json_atomic
 
 
 class RegistryError(RuntimeError):
@@ -92,7 +93,7 @@ class AdapterRegistry(ConfigurableResource):
         # the event file first: a crash between the two writes leaves an event that rebuild replays
         self.history_dir.mkdir(parents=True, exist_ok=True)
         seq = len(content["history"]) + 1
-        _write_json(self.history_dir / f"{seq:06d}.json", event)
+        write_json_atomic(self.history_dir / f"{seq:06d}.json", event, sort_keys=True)
         content["history"].append(event)
 
     def rebuild(self) -> dict[str, Any]:
@@ -134,7 +135,7 @@ class AdapterRegistry(ConfigurableResource):
     def _write(self, content: dict[str, Any]) -> None:
         if self.path.is_dir():
             raise self._damaged("a directory")
-        _write_json(self.path, content)
+        write_json_atomic(self.path, content, sort_keys=True)
 
     def champion(self) -> dict[str, Any] | None:
         """The current champion entry (``version``, ``adapter_path``, ``metrics``) or ``None``."""
@@ -303,17 +304,3 @@ class AdapterRegistry(ConfigurableResource):
             reason,
             action="rollback",
         )
-
-
-def _write_json(path: Path, content: Any) -> None:
-    """``content`` as JSON at ``path``, atomically (temp file in the same directory, fsync, rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(content, fh, indent=2, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -17,10 +17,8 @@ reader sees the old or the new definition, never half of one.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -29,6 +27,8 @@ from typing import Any, Literal
 
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flow_assets.atomic import write_json_atomic
 
 WORKFLOW_FORMAT = "flowopt.workflow/v1"
 #: where the workflow directory is when neither an argument nor ``FLOWOPT_WORKFLOWS`` names one
@@ -122,23 +122,6 @@ class WorkflowDefinition(BaseModel):
 def utc_now() -> str:
     """The current time as ISO 8601 UTC with seconds (``2026-03-01T12:00:00Z``)."""
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def write_json_atomic(path: Path, content: Any) -> None:
-    """``content`` as indented JSON at ``path``: temporary file in the same directory, fsync,
-    ``os.replace``. A crash leaves the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(content, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
