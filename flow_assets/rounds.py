@@ -359,12 +359,15 @@ def train_candidate(
     model, tokenizer = store.load(champion["adapter_path"], trainable=True)
     run_dir = store.round_dir(batch)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # checkpoints of an interrupted run are resumed only if they grew from the same champion
-    parent_file = run_dir / "parent_version"
-    if parent_file.exists() and parent_file.read_text() != champion["version"]:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    parent_file.write_text(champion["version"])
     config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
+    # checkpoints are resumed only by the same round (after a kill, or training.pause): grown
+    # from the same champion with the same settings. Another round on this batch (a new champion,
+    # a job with other settings) starts afresh instead of failing on the trainer's config check.
+    identity = json.dumps({"parent_version": champion["version"], "config": config_to_dict(config), "negate_advantages": negate_advantages}, sort_keys=True)
+    identity_file = run_dir / "round_identity.json"
+    if identity_file.exists() and identity_file.read_text() != identity:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    identity_file.write_text(identity)
     result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
     candidate = save_lora_adapter(model, run_dir / "adapter")
     registry.set_candidate(str(candidate), batch, champion["version"])

@@ -347,15 +347,23 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
 
     service = JobService(world.instance, submit, lambda ids: None, lambda: {key})
     # three epochs: a round of several optimizer steps, so the pause after step 1 is mid-round
-    config = {"ops": {"policy_checkpoint": {"config": {"num_epochs": 3}}, "evaluation_report": {"config": {**EVAL, **OPEN_GATE}}}}
+    # the gate refuses every candidate (KL bound 0): the champion stays, and a blocked round is a done round
+    config = {"ops": {"policy_checkpoint": {"config": {"num_epochs": 3}}, "evaluation_report": {"config": {**EVAL, "gate": {"min_gain": -1.0, "max_kl": 0.0}}}}}
     status = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config=config))
     job = JobParams(job_id=status["job_id"])
     assert status["state"] == "paused" and status["rounds"][0]["paused"] == "after step 1", status
     assert not attempts[0].success and (world.models / "runs" / key / "checkpoints" / "checkpoint-1").is_dir()
     resumed = service.resume(job)
     assert resumed["state"] == "completed" and resumed["rounds"][0]["attempt"] == 2 and not resumed["pause_requested"], resumed
+    assert resumed["rounds"][0]["blocked"] and resumed["rounds"][0]["status"] == "failure" and resumed["progress"]["rounds_done"] == 1
     summary, _ = world.round_files(key)
     assert summary.resumed_from == 1 and summary.final_step > 1
+    # another job on the same batch, from the same champion, with other settings is another
+    # round: it starts afresh (it used to fail on the trainer's "saved config differs")
+    again = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config={**config, "ops": {**config["ops"], "policy_checkpoint": {"config": {"num_epochs": 1}}}}))
+    assert again["state"] == "completed", again
+    summary, _ = world.round_files(key)
+    assert summary.resumed_from is None and summary.config["num_epochs"] == 1
     with pytest.raises(RpcError) as refused:
         service.pause(job)
     assert refused.value.code == INVALID_STATE
