@@ -365,7 +365,7 @@ def train_candidate(
     # a job with other settings) starts afresh instead of failing on the trainer's config check.
     identity = json.dumps({"parent_version": champion["version"], "config": config_to_dict(config), "negate_advantages": negate_advantages}, sort_keys=True)
     identity_file = run_dir / "round_identity.json"
-    if identity_file.exists() and identity_file.read_text() != identity:
+    if not identity_file.exists() or identity_file.read_text() != identity:  # none: a round of unknown settings
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     identity_file.write_text(identity)
     result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)

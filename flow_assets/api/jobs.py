@@ -256,6 +256,10 @@ class JobService:
             return run.tags[FAILURE_TAG]
         for record in self.instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE):
             error = record.dagster_event.step_failure_data.error
+            # an exception in the asset arrives wrapped ("Error occurred while executing op ..."):
+            # the innermost cause says what went wrong
+            while error is not None and error.cause is not None:
+                error = error.cause
             if error is not None:
                 return "error: " + error.message.strip().splitlines()[0][:300]
         return "error"
