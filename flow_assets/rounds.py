@@ -41,7 +41,7 @@ from flow_assets.policy.sampling import completion_logprobs
 from flow_assets.policy.sft import SFTConfig, sft_on_rows
 from flow_assets.policy.store import PolicyStore
 from flow_assets.policy.tiny_model import TinyModelConfig, save_tiny_policy
-from flow_assets.policy.trainer import GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
+from flow_assets.policy.trainer import CheckpointMismatch, GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
 from flow_assets.rl.grpo_loss import k3_kl
@@ -360,15 +360,19 @@ def train_candidate(
     run_dir = store.round_dir(batch)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
-    # checkpoints are resumed only by the same round (after a kill, or training.pause): grown
-    # from the same champion with the same settings. Another round on this batch (a new champion,
-    # a job with other settings) starts afresh instead of failing on the trainer's config check.
-    identity = json.dumps({"parent_version": champion["version"], "config": config_to_dict(config), "negate_advantages": negate_advantages}, sort_keys=True)
-    identity_file = run_dir / "round_identity.json"
-    if not identity_file.exists() or identity_file.read_text() != identity:  # none: a round of unknown settings
+    # checkpoints are resumed only by the same round (after a kill, or training.pause): grown from
+    # the same champion (recorded here; a directory without the record is of unknown origin), with
+    # the same settings and samples (the trainer checks those). Another round on this batch (a new
+    # champion, a job with other settings) starts afresh.
+    parent_file = run_dir / "parent_version"
+    if not parent_file.exists() or parent_file.read_text() != champion["version"]:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    identity_file.write_text(identity)
-    result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+    parent_file.write_text(champion["version"])
+    try:
+        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+    except CheckpointMismatch:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
     candidate = save_lora_adapter(model, run_dir / "adapter")
     registry.set_candidate(str(candidate), batch, champion["version"])
     advantages = tables["advantages"]

@@ -465,7 +465,8 @@ class GRPORoundTrainer:
         metrics history. Removes leftover temporary directories of interrupted writes.
 
         Raises:
-            ValueError: if the checkpoint belongs to a different round (other config or samples).
+            CheckpointMismatch: the checkpoint belongs to a different round (other config or
+                samples); nothing was restored.
         """
         if self.output_dir.is_dir():
             for p in self.output_dir.glob(".tmp-checkpoint-*"):
@@ -476,10 +477,10 @@ class GRPORoundTrainer:
         step, path = checkpoints[-1]
         saved_config = json.loads((path / "config.json").read_text())
         if saved_config != json.loads(json.dumps(config_to_dict(self.config))):
-            raise ValueError(f"{path}: saved config differs from this round's config; not resuming")
+            raise CheckpointMismatch(f"{path}: saved config differs from this round's config; not resuming")
         state = json.loads((path / "trainer_state.json").read_text())
         if state["samples_fingerprint"] != self.samples_fingerprint():
-            raise ValueError(f"{path}: checkpoint was trained on other samples; not resuming")
+            raise CheckpointMismatch(f"{path}: checkpoint was trained on other samples; not resuming")
         adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
         set_peft_model_state_dict(self.model, adapter)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
@@ -498,6 +499,11 @@ class GRPORoundTrainer:
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
+
+
+class CheckpointMismatch(ValueError):
+    """The latest checkpoint in ``output_dir`` was written by another round (other settings or
+    samples), so it cannot be resumed; raised before anything is restored."""
 
 
 class TrainingPaused(Exception):
