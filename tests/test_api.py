@@ -155,6 +155,14 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     lake = TrajectoryLake(root=os.environ["FLOWOPT_TEST_API_LAKE"])
     spent = lake_spend(lake, "adder")
     assert spent.prompt_tokens == 600 and spent.completion_tokens == 60 and spent.total_usd == pytest.approx((600 * 500 + 60 * 2000) / 1e6)
+    from flow_assets.api.budget import CachedSpend, prices_from_env
+
+    cached = CachedSpend(lake, prices_from_env())
+    first = cached("adder")
+    assert first == spent and cached("adder") is first  # the lake did not change: no new scan
+    trajectories = lake.read_partition("trajectories", key)
+    lake.write_partition("trajectories", key, trajectories)  # replaced (same rows): the answer is recomputed
+    assert cached("adder") is not first and cached("adder") == first
     refused = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.3}).json()["error"]
     assert refused["code"] == BUDGET_EXCEEDED and refused["data"]["spend"]["total_usd"] == pytest.approx(0.42)
     started = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.5}).json()["result"]

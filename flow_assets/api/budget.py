@@ -16,8 +16,11 @@ per month (``FLOWOPT_MONTHLY_BUDGET_USD``).
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import polars as pl
 
@@ -125,3 +128,52 @@ def lake_spend(lake, agent_id: str, month: str | None = None, prices: Prices | N
     except FileNotFoundError:
         rewards = None
     return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_from_env())
+
+
+class CachedSpend:
+    """:func:`lake_spend` for an API that asks on every ``get_status``: an answer is kept per
+    (agent, month) until the lake's ``trajectories``, ``steps`` or ``rewards`` partitions change
+    (a partition added, removed or replaced: its name, size and modification time), so a status
+    call costs a directory listing instead of a scan of every batch (35 ms on a demo's lake of
+    71 batches). Thread-safe.
+
+    Args:
+        lake: the ``TrajectoryLake``.
+        prices: the prices to charge (default: from the environment, once).
+    """
+
+    TABLES = ("trajectories", "steps", "rewards")
+
+    def __init__(self, lake, prices: Prices | None = None):
+        self.lake, self.prices = lake, prices or prices_from_env()
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, str], tuple[tuple, Spend]] = {}
+
+    def fingerprint(self) -> tuple:
+        """``(table, partition, size, mtime_ns)`` of every partition file of :attr:`TABLES`."""
+        found = []
+        for table in self.TABLES:
+            try:
+                entries = list(os.scandir(Path(self.lake.root) / table))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                try:
+                    st = os.stat(Path(entry.path) / "data.parquet")
+                except FileNotFoundError:
+                    continue
+                found.append((table, entry.name, st.st_size, st.st_mtime_ns))
+        return tuple(sorted(found))
+
+    def __call__(self, agent_id: str, month: str | None = None) -> Spend:
+        """``agent_id``'s spend in ``month`` (default: the current UTC month)."""
+        month = month or month_of()
+        now = self.fingerprint()
+        with self._lock:
+            kept = self._cache.get((agent_id, month))
+        if kept is not None and kept[0] == now:
+            return kept[1]
+        spent = lake_spend(self.lake, agent_id, month, self.prices)
+        with self._lock:
+            self._cache[(agent_id, month)] = (now, spent)
+        return spent

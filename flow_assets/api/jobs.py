@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, Failure, RunsFilter
 from pydantic import BaseModel, Field
 
 from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
@@ -227,7 +227,8 @@ class JobService:
         finished = [r for r in runs if round_status(r) == DagsterRunStatus.SUCCESS]
         current = next((r for r in runs if r.status in _ACTIVE), None)
         agent = runs[0].tags.get(AGENT_TAG)
-        failure = next((self._failure(r) for r in runs if round_status(r) == DagsterRunStatus.FAILURE), None)
+        # a round stopped by training.pause is not a failure: it waits for resume
+        failure = next((self._failure(r) for r in runs if round_status(r) == DagsterRunStatus.FAILURE and PAUSED_TAG not in r.tags), None)
         kind = runs[0].tags.get(KIND_TAG, "grpo")
         return {
             "job_id": params.job_id,
@@ -257,11 +258,15 @@ class JobService:
         for record in self.instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE):
             error = record.dagster_event.step_failure_data.error
             # an exception in the asset arrives wrapped ("Error occurred while executing op ..."):
-            # the innermost cause says what went wrong
-            while error is not None and error.cause is not None:
+            # a Failure raised on purpose says why in its description, else the innermost cause does
+            chain = []
+            while error is not None:
+                chain.append(error)
                 error = error.cause
-            if error is not None:
-                return "error: " + error.message.strip().splitlines()[0][:300]
+            chosen = next((e for e in chain if e.cls_name == Failure.__name__), chain[-1] if chain else None)
+            if chosen is not None:
+                message = chosen.message.strip().removeprefix(f"{Failure.__module__}.{Failure.__name__}: ")
+                return "error: " + message.splitlines()[0][:300]
         return "error"
 
     def _evaluation(self, run) -> dict[str, Any] | None:

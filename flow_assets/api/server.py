@@ -171,7 +171,7 @@ def deployment_service(
     def submit(job_name, run_config, tags):
         return client.submit_job_execution(job_name, repository_location_name=location, run_config=run_config, tags=tags)
 
-    from flow_assets.api.budget import lake_spend, monthly_budget_from_env, prices_from_env
+    from flow_assets.api.budget import CachedSpend, monthly_budget_from_env, prices_from_env
     from resources.lake import TrajectoryLake
 
     lake = TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake"))
@@ -180,7 +180,7 @@ def deployment_service(
     return JobService(
         instance=instance, submit=submit, terminate=lambda run_ids: client.terminate_runs(run_ids),
         partitions=lambda: set(instance.get_dynamic_partitions(log_batches.name)),
-        spend=lambda agent: lake_spend(lake, agent, prices=prices), default_budget_usd=monthly_budget_from_env(), lake=lake,
+        spend=CachedSpend(lake, prices), default_budget_usd=monthly_budget_from_env(), lake=lake,
         versions=lambda version: registry.version(version) is not None,
         add_version=lambda version: instance.add_dynamic_partitions(adapter_versions.name, [version]),
     )  # fmt: skip
