@@ -10,7 +10,6 @@ and prints what the runs did.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import TypeVar
 
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
-from flow_assets.local import REPO_ROOT
+from flow_assets.local import REPO_ROOT, stop_process_group
 
 T = TypeVar("T")
 FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
@@ -61,14 +60,9 @@ class Daemon:
             return ""
 
     def __exit__(self, *exc) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process_group(self.process, self.stop_timeout)
 
 
 def finished_runs(instance: DagsterInstance, job_name: str) -> list:

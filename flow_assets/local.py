@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,3 +150,23 @@ def failure_messages(result) -> tuple[list[str], list[str]]:
         if e.is_step_failure and e.event_specific_data and e.event_specific_data.error
     ]
     return [_root_message(e) for e in errors], [e.to_string() for e in errors]
+
+
+def stop_process_group(process: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM to ``process``'s group (it was started with ``start_new_session``), wait up to
+    ``timeout`` seconds for the leader, then SIGKILL whatever of the group is left: a code server
+    the webserver or the daemon started can outlive them (seen on a PostgreSQL-backed instance:
+    orphaned ``dagster api grpc`` processes of 600 MB each)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from flow_assets.local import REPO_ROOT
+from flow_assets.local import REPO_ROOT, stop_process_group
 
 SENSORS = ("new_logs_sensor", "training_round_sensor", "training_history_sensor", "self_play_sensor")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
@@ -174,6 +173,5 @@ def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000) -> TourResul
             shoot("lineage")
             browser.close()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
+        stop_process_group(server, 30)
     return result

@@ -4,6 +4,7 @@ One module-scoped world: base policy (small SFT), the tau-bench log, and rollout
 trainable policy, all through the sensors. Each test then runs rounds with its own config.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -265,6 +266,8 @@ def test_a_real_daemon_started_afterwards_launches_nothing(world):
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         output = daemon.communicate(timeout=60)[0].decode(errors="replace")
+        with contextlib.suppress(ProcessLookupError):  # a code server left behind by the daemon
+            os.killpg(daemon.pid, signal.SIGKILL)
     # every sensor evaluated fully at least once and decided there was nothing to do (a tick that
     # failed, e.g. on a busy SQLite file this test also reads, is retried by the daemon)
     assert sensors <= evaluated(ticks), (ticks, output[-3000:])

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +9,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from flow_assets.local import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 QUERY = """{ workspaceOrError { ... on Workspace { locationEntries { name
@@ -58,9 +59,4 @@ def test_webserver_starts_loads_the_code_location_and_stops(tmp_path):
         assets = {a["assetKey"]["path"][-1] for a in repo["assetNodes"]}
         assert {"interaction_logs", "trajectories", "rewards", "advantages"} <= assets
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, 30)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from flow_assets.local import REPO_ROOT
+from flow_assets.local import REPO_ROOT, stop_process_group
 
 _JOBS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { locationOrLoadError { ... on RepositoryLocation { repositories { jobs { name } } } } } } } }"
 
@@ -89,5 +88,4 @@ def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Pa
         if server is not None:
             server.should_exit = True
             thread.join(timeout=10)
-        os.killpg(web.pid, signal.SIGTERM)
-        web.wait(timeout=60)
+        stop_process_group(web)
