@@ -349,11 +349,8 @@ class JobService:
             keep = ("dagster/partition", JOB_TAG, AGENT_TAG, ROUND_TAG, BUDGET_TAG)
             tags = {k: run.tags[k] for k in keep if k in run.tags}
             tags["flowopt/job_attempt"] = str(int(run.tags.get("flowopt/job_attempt", "1")) + 1)
-            self._submit(TRAINING_JOB, self._run_config(run), tags)
+            self._submit(TRAINING_JOB, run.run_config or None, tags)
         return self.get_status(params)
-
-    def _run_config(self, run) -> dict | None:
-        return run.run_config or None
 
     def evaluate(self, params: EvaluateParams) -> dict[str, Any]:
         """Submit one run of ``adapter_evaluation_job`` for a registry version (its partition is
