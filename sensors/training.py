@@ -21,8 +21,6 @@ import json
 import polars as pl
 from dagster import (
     AssetKey,
-    AssetRecordsFilter,
-    DagsterEventType,
     DagsterRunStatus,
     RunsFilter,
     DagsterInstance,
@@ -34,6 +32,7 @@ from dagster import (
     sensor,
 )
 
+from flow_assets.data_checks import DATA_CHECKS, failed_data_checks  # noqa: F401 (re-exported: the sensor's decision, shared with the API)
 from flow_assets.jobs import training_history_job, training_round_job
 from flow_assets.live_ab import ab_windows, served_during_ab
 from flow_assets.recovery import PARTITION_NAME_TAG, batches_to_rerun
@@ -44,28 +43,11 @@ from resources.tasks import TaskSourceResource
 from sensors.settings import sensor_interval
 
 
-DATA_CHECKS = ("advantages_finite", "records_conserved")
-
-
 def trained_batches(instance: DagsterInstance) -> set[str]:
     """Partition keys that have a run of ``training_round_job`` in ``instance``, whatever its
     status or who launched it."""
     runs = instance.get_runs(RunsFilter(job_name=training_round_job.name))
     return {run.tags[PARTITION_NAME_TAG] for run in runs if PARTITION_NAME_TAG in run.tags}
-
-
-def failed_data_checks(instance: DagsterInstance, key: str) -> list[str]:
-    """Names of the blocking data checks (:data:`DATA_CHECKS`) that failed in the run that last
-    materialised batch ``key``'s ``advantages`` (empty when they passed or it was never materialised)."""
-    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("advantages"), asset_partitions=[key]), limit=1).records
-    if not records:
-        return []
-    failed = []
-    for entry in instance.all_logs(records[0].run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION):
-        evaluation = entry.dagster_event.event_specific_data
-        if evaluation.check_name in DATA_CHECKS and not evaluation.passed:
-            failed.append(evaluation.check_name)
-    return sorted(set(failed))
 
 
 @sensor(
