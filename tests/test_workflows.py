@@ -296,7 +296,89 @@ def test_the_audit_log_only_grows_and_its_chain_shows_an_edit(board):
     assert board.verify_audit() == []
     lines = board.audit_path.read_bytes().splitlines(keepends=True)
     board.audit_path.write_bytes(lines[0] + lines[1].replace(b"not now", b"never") + lines[2])
-    assert len(board.verify_audit()) == 1
+    problems = board.verify_audit()
+    assert problems and problems[0].startswith(f"{board.audit_path}, line 2:")  # the edited line comes first
+    assert any("line 3: prev does not match" in p for p in problems)
+
+
+def _decided_board(board) -> list[bytes]:
+    """``board`` with one rejected proposal and a later one applied; its log's lines."""
+    (proposal,) = board.find(status="open")
+    board.record([proposal, proposal.model_copy(update={"id": "wp-second00000"})], [SYNTHETIC_AGENT])
+    board.approve("wp-second00000", by="alice", reason="fine")
+    board.reject(proposal.id, by="bob", reason="not now")
+    assert board.verify_audit() == []
+    return board.audit_path.read_bytes().splitlines(keepends=True)
+
+
+def _rechain(lines: list[bytes]) -> list[bytes]:
+    """The lines with every ``prev`` recomputed, as someone covering an edit would."""
+    out, prev = [], ""
+    for line in lines:
+        entry = json.loads(line)
+        entry["prev"] = prev
+        text = json.dumps(entry, ensure_ascii=False, sort_keys=True).encode()
+        prev = hashlib.sha256(text).hexdigest()
+        out.append(text + b"\n")
+    return out
+
+
+def test_verify_audit_shows_an_edit_of_the_last_line(board):
+    lines = _decided_board(board)
+    board.audit_path.write_bytes(b"".join(lines[:-1]) + lines[-1].replace(b'"by": "bob"', b'"by": "eve"'))
+    problems = board.verify_audit()  # the old check passed this: no line follows the last one
+    assert problems and problems[0].startswith(f"{board.audit_path}, line {len(lines)}:"), problems
+
+
+def test_verify_audit_shows_a_deleted_tail(board):
+    lines = _decided_board(board)
+    board.audit_path.write_bytes(b"".join(lines[:-2]))
+    problems = board.verify_audit()
+    assert problems and f"line {len(lines) - 1}: missing" in problems[0] and f"records {len(lines)} lines" in problems[0], problems
+
+
+def test_verify_audit_shows_a_chain_recomputed_after_an_edit_head_included(board):
+    lines = _decided_board(board)
+    # alice's approval rewritten as bob's, every prev recomputed, the head file forged to match
+    forged = _rechain([line.replace(b'"by": "alice"', b'"by": "bob"') for line in lines])
+    board.audit_path.write_bytes(b"".join(forged))
+    board.head_path.write_text(json.dumps({"lines": len(forged), "sha256": hashlib.sha256(forged[-1].rstrip(b"\n")).hexdigest()}))
+    problems = board.verify_audit()
+    approve_line = next(n for n, line in enumerate(lines, start=1) if b'"action": "approve"' in line)
+    assert problems and problems[0].startswith(f"{board.audit_path}, line {approve_line}:"), problems
+    assert "wp-second00000.json keeps sha256" in problems[0]
+
+
+def test_verify_audit_reports_a_line_that_is_not_json_and_the_cli_exits_1_naming_it(board):
+    from tests.conftest import run_cli
+
+    lines = _decided_board(board)
+    board.audit_path.write_bytes(lines[0] + b"{not json\n" + b"".join(lines[1:]))
+    problems = board.verify_audit()  # the old check raised JSONDecodeError here
+    assert problems[0].startswith(f"{board.audit_path}, line 2: not a JSON object"), problems
+    assert [e["action"] for e in board.audit()][:2] == ["proposed", "proposed"]  # the rest is still read
+    rc, out, err = run_cli(["proposals", "verify", "--workflows", board.store.root])
+    assert rc == 1 and "Traceback" not in err and err.splitlines()[0].endswith(problems[0]) and not json.loads(out)["intact"]
+    board.audit_path.write_bytes(b"".join(lines))
+    rc, out, err = run_cli(["proposals", "verify", "--workflows", board.store.root])
+    assert rc == 0 and json.loads(out)["intact"] and err == ""
+
+
+def test_a_decided_proposal_edited_back_to_open_cannot_be_decided_again(board):
+    (proposal,) = board.find(status="open")
+    board.approve(proposal.id, by="alice")
+    path = board.proposals_dir / f"{proposal.id}.json"
+    reopened = json.loads(path.read_text()) | {"status": "open", "review": None}
+    path.write_text(json.dumps(reopened))
+    # the old code took this for a crash after the save and recorded bob's approval too
+    with pytest.raises(ReviewRefused, match="is applied, not open: the audit log records its approval by alice"):
+        board.approve(proposal.id, by="bob")
+    assert board.get(proposal.id).status == "applied" and board.get(proposal.id).review.by == "alice"
+    path.write_text(json.dumps(reopened))
+    with pytest.raises(ReviewRefused, match="is applied"):
+        board.reject(proposal.id, by="bob", reason="changed my mind")
+    assert [e["action"] for e in board.audit()] == ["proposed", "approve", "refuse", "refuse"]
+    assert board.store.versions(SYNTHETIC_AGENT) == [1, 2] and board.verify_audit() == []
 
 
 def test_recording_proposals_again_changes_no_workflow_and_keeps_reviews(board, synthetic):

@@ -116,7 +116,8 @@ class Evidence(BaseModel):
 
 class Review(BaseModel):
     """A person's decision on a proposal: ``action`` by ``by`` at ``at`` (ISO 8601 UTC) because
-    of ``reason``; ``new_version`` is the workflow version an approval created."""
+    of ``reason``; ``new_version`` is the workflow version an approval created; ``audit_sha256``
+    the sha256 of the audit log line that records it (absent in reviews written before it was kept)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -125,6 +126,9 @@ class Review(BaseModel):
     at: str
     reason: str | None = None
     new_version: int | None = None
+    #: sha256 (hex) of the audit log line that records this decision: an anchor kept outside
+    #: the log, so a log whose chain was recomputed after an edit still shows (``verify_audit``)
+    audit_sha256: str | None = None
 
 
 class Proposal(BaseModel):
