@@ -201,22 +201,42 @@ def _bus_config(args: argparse.Namespace):
         url=args.url or os.environ.get("FLOWOPT_AMQP_URL", DEFAULT_URL),
         landing=Path(getattr(args, "landing", None) or os.environ.get("FLOWOPT_LANDING", ".landing")),
         queue_prefix=args.queue_prefix,
-        **{k: v for k, v in vars(args).items() if k in ("max_records", "window_s", "unlabelled_timeout_s", "task_ttl_s", "prefetch", "idle_exit_s")},
-    )
+        **{k: v for k, v in vars(args).items() if k in ("tap", "exchange_type", "max_records", "window_s", "unlabelled_timeout_s", "task_ttl_s",
+                                                        "prefetch", "idle_exit_s", "max_message_bytes", "max_depth")},
+    )  # fmt: skip
+
+
+def _bus_declare(args: argparse.Namespace) -> int:
+    import pika.exceptions
+
+    from flow_assets.rabbitmq.consumer import BusTopologyError, declare
+
+    config = _bus_config(args)
+    try:
+        declared = declare(config)
+    except (pika.exceptions.AMQPConnectionError, BusTopologyError) as exc:
+        print(f"flowopt bus declare: {config.url.split('@')[-1]}: {exc!r}", file=sys.stderr)
+        return 1
+    print(json.dumps([{"exchange": e, "type": config.exchange_type, "tap_queue": q} for e, q in declared], indent=2))
+    return 0
 
 
 def _bus_consume(args: argparse.Namespace) -> int:
     import pika.exceptions
 
-    from flow_assets.rabbitmq.consumer import BusConsumer
+    from flow_assets.rabbitmq.consumer import BusConsumer, BusTopologyError
 
     config = _bus_config(args)
-    print(f"flowopt bus consume: {config.url.split('@')[-1]} queues {', '.join(config.queue(k) for k in ('tasks', 'responses', 'rewards'))} "
-          f"-> {config.landing / 'bus'}", file=sys.stderr, flush=True)  # fmt: skip
+    taps = ", ".join(f"{config.exchange(k)} -> {config.queue(k)}" for k in ("tasks", "responses", "rewards"))
+    print(f"flowopt bus consume: {config.url.split('@')[-1]} {config.exchange_type} exchanges -> tap queues {taps}; lands in {config.landing / 'bus'}",
+          file=sys.stderr, flush=True)  # fmt: skip
     try:
         stats = BusConsumer(config).run()
     except pika.exceptions.AMQPConnectionError as exc:
         print(f"flowopt bus consume: cannot reach the broker at {config.url.split('@')[-1]}: {exc!r}", file=sys.stderr)
+        return 1
+    except BusTopologyError as exc:
+        print(f"flowopt bus consume: {exc}", file=sys.stderr)
         return 1
     print(json.dumps({**vars(stats), "landing": str(config.landing / "bus")}, indent=2))
     return 0
@@ -236,7 +256,7 @@ def _bus_publish(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError) as exc:
             print(f"flowopt bus publish: {args.file}, line {number}: expected {{\"queue\", \"message_id\", \"body\"}}: {exc!r}", file=sys.stderr)
             return 2
-    sent = publish(config.url, messages, config.queue_prefix)
+    sent = publish(config.url, messages, config=config)
     print(json.dumps({"published": sent}))
     return 0
 
@@ -244,7 +264,7 @@ def _bus_publish(args: argparse.Namespace) -> int:
 def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from flow_assets.api.server import create_app, deployment_service, training_dispatcher
+    from flow_assets.api.server import Limits, create_app, deployment_service, training_dispatcher
 
     tokens = [t.strip() for t in os.environ.get("FLOWOPT_API_TOKENS", "").split(",") if t.strip()]
     if not tokens:
@@ -262,7 +282,13 @@ def _api(args: argparse.Namespace) -> int:
     instance = local_instance(args.home)
     service = deployment_service(instance, args.dagster_url)
     exports = os.environ.get("FLOWOPT_EXPORTS", ".exports")
-    uvicorn.run(create_app(training_dispatcher(service, exports), tokens, service, exports), host=args.host, port=args.port, log_level="info")
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch)
+    except ValueError as exc:
+        print(f"flowopt api: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(training_dispatcher(service, exports, limits.max_batch), tokens, service, exports, limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -296,6 +322,13 @@ def _proposals(args: argparse.Namespace) -> int:
             }
             print(json.dumps(shown, indent=2, ensure_ascii=False))
             return 0
+        if args.proposals_command == "verify":
+            problems = board.verify_audit()
+            for problem in problems:
+                print(f"{command}: {problem}", file=sys.stderr)
+            lines = len(board.audit())
+            print(json.dumps({"audit_log": str(board.audit_path), "entries": lines, "intact": not problems, "problems": len(problems)}))
+            return 1 if problems else 0
         by = args.by or getpass.getuser()
         if args.proposals_command == "approve":
             proposal, saved = board.approve(args.id, by=by, reason=args.reason)
@@ -446,13 +479,21 @@ def main(argv: list[str] | None = None) -> int:
     rebuild.set_defaults(fn=_registry_rebuild)
     bus = sub.add_parser("bus", help="the RabbitMQ message-bus source: tasks, responses and rewards landed as log batches")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)
-    for name in ("consume", "publish"):
-        cmd = bus_sub.add_parser(
-            name,
-            help="consume the queues and land joined records (runs until SIGTERM)" if name == "consume" else "publish messages from a JSONL file",
-        )
+    bus_help = {
+        "consume": "read copies of the messages from flowopt's tap queues and land joined records (runs until SIGTERM)",
+        "publish": "publish messages from a JSONL file to the exchanges, as agents do",
+        "declare": "declare the exchanges tasks / responses / rewards and flowopt's tap queues bound to them (before agents publish)",
+    }
+    for name in ("consume", "publish", "declare"):
+        cmd = bus_sub.add_parser(name, help=bus_help[name])
         cmd.add_argument("--url", default=None, help="AMQP URL (default $FLOWOPT_AMQP_URL, else amqp://guest:guest@127.0.0.1:5672/%%2F)")
-        cmd.add_argument("--queue-prefix", default="", help="prefix of the queue names tasks / responses / rewards")
+        cmd.add_argument("--queue-prefix", default="", help="prefix of the exchange names tasks / responses / rewards and of the tap queues")
+        cmd.add_argument("--tap", default="flowopt", help="flowopt's tap queues are <prefix><tap>.tasks / .responses / .rewards (default flowopt)")
+        cmd.add_argument("--exchange-type", dest="exchange_type", choices=("fanout", "topic"), default="fanout",
+                         help="type of the exchanges; topic taps bind with # (default fanout)")  # fmt: skip
+        if name == "declare":
+            cmd.set_defaults(fn=_bus_declare)
+            continue
         if name == "publish":
             cmd.add_argument("file", help='JSONL, one {"queue": "tasks|responses|rewards", "message_id": ..., "body": {...}} per line')
             cmd.set_defaults(fn=_bus_publish)
@@ -465,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--task-ttl", dest="task_ttl_s", type=float, default=3600.0, help="seconds a task is kept for later responses (default 3600)")
         cmd.add_argument("--prefetch", type=int, default=10_000, help="most unacknowledged messages at once (default 10000)")
         cmd.add_argument("--idle-exit", dest="idle_exit_s", type=float, default=None, help="exit after this many idle seconds (default: never)")
+        cmd.add_argument("--max-message-bytes", dest="max_message_bytes", type=int, default=8 * 1024 * 1024,
+                         help="a larger message is quarantined unparsed (default 8 MiB)")  # fmt: skip
+        cmd.add_argument("--max-depth", dest="max_depth", type=int, default=64, help="a message nested deeper is quarantined (default 64 levels)")
         cmd.set_defaults(fn=_bus_consume)
     api = sub.add_parser(
         "api",
@@ -477,10 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     api.add_argument("--dagster-url", default=os.environ.get("FLOWOPT_DAGSTER_URL", "http://127.0.0.1:3000"),
                      help="the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else http://127.0.0.1:3000)")  # fmt: skip
     api.add_argument("--home", default=None, help="DAGSTER_HOME of the instance (default $DAGSTER_HOME)")
+    api.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body; larger is HTTP 413 (default 4 MiB)")
+    api.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=30.0, help="seconds to receive a request body; slower is HTTP 408 (default 30)")
+    api.add_argument("--max-batch", type=int, default=100, help="most calls in one JSON-RPC batch; more is refused whole, -32600 (default 100)")
     api.set_defaults(fn=_api)
     proposals = sub.add_parser(
         "proposals",
-        help="review the workflow changes workflow_proposals proposed: list, show, approve, reject",
+        help="review the workflow changes workflow_proposals proposed: list, show, approve, reject, verify",
         description="Proposals are JSON Patches against an agent's workflow definition, with their evidence (docs/workflows.md). "
         "approve applies one as a new version of the definition (the previous one is kept); every decision goes to the "
         "append-only audit log <workflows>/audit.jsonl. Exit codes: 1 refused (the reason on stderr), 2 no such proposal.",
@@ -501,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("id", help="proposal id (wp-...), from flowopt proposals list")
     for cmd in (approve, reject):
         cmd.add_argument("--by", default=None, help="who decides (default: the current user)")
-    for cmd in (proposals_list, show, approve, reject):
+    verify = proposals_sub.add_parser(
+        "verify", help="check the audit log: hash chain, head, and every decision against its proposal file (exit 1: the first bad line first)"
+    )
+    for cmd in (proposals_list, show, approve, reject, verify):
         cmd.add_argument("--workflows", default=None, help=workflows_help)
         cmd.set_defaults(fn=_proposals)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
