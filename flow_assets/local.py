@@ -34,11 +34,11 @@ def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
 
     The directory is created, and the repository's ``dagster.yaml`` copied into it when it has
     none, so a fresh clone works without setup; the storage is created under an inter-process
-    lock, so concurrent first calls do not race. ``DAGSTER_HOME`` is set for this process.
+    lock, so concurrent first calls do not race. The process environment is left as it is (other
+    threads may read it at any moment): subprocesses get ``DAGSTER_HOME`` passed explicitly.
     """
     path = Path(home or os.environ.get("DAGSTER_HOME") or ".dagster_home").resolve()
     path.mkdir(parents=True, exist_ok=True)
-    os.environ["DAGSTER_HOME"] = str(path)
     # Creating a new instance's storage (tables, alembic stamps) is not safe to race: two first
     # ingests at once left "alembic_version has more than one head". One process creates it, under
     # a lock in DAGSTER_HOME; the others then open the finished storage.
@@ -46,7 +46,7 @@ def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
         template = REPO_ROOT / "dagster.yaml"
         if template.exists() and not (path / "dagster.yaml").exists():
             shutil.copyfile(template, path / "dagster.yaml")
-        instance = DagsterInstance.get()
+        instance = DagsterInstance.from_config(str(path))
         instance.get_runs(limit=1)  # touch run, event log and schedule storage while locked
         instance.get_dynamic_partitions("log_batches")
     return instance

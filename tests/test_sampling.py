@@ -111,32 +111,70 @@ def test_row_sampler_draws_from_each_rows_tempered_nucleus():
     assert math.isclose(float(counts.sum()), 12000)
 
 
-def test_grouped_query_attention_is_safe_across_threads_and_restores_the_environment(monkeypatch):
+def _gqa_policy(root):
+    """The tiny model with grouped-query attention (8 query heads sharing 2 key/value heads), as SmolLM2 has."""
+    from flow_assets.policy.tiny_model import build_tiny_model
+    from flow_assets.policy.tokenizer import CharTokenizerConfig, build_char_tokenizer
+
+    tok = build_char_tokenizer(CharTokenizerConfig(model_max_length=256))
+    model = build_tiny_model(TinyModelConfig(seed=5), tok)
+    model.config.num_key_value_heads = 2
+    model = type(model)(model.config)  # rebuilt: k/v projections now have 2 heads
+    model.save_pretrained(str(root))
+    tok.save_pretrained(str(root))
+    return root
+
+
+def test_a_grouped_query_model_gets_copy_free_attention_with_the_same_log_probs(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flow_assets.policy.attention import SDPA_GQA
+
+    directory = _gqa_policy(tmp_path / "gqa")
+    model, tok = load_policy(directory)
+    assert model.config._attn_implementation == SDPA_GQA
+    reference = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager").eval()
+    rows = _rows(tok)
+    rollouts = sample_token_ids(model, tok, rows, SamplingConfig(num_samples=2, temperature=1.0, max_new_tokens=8, seed=1))
+    prompts, completions = [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts]
+    with torch.no_grad():
+        ours, mask = completion_logprobs(model, prompts, completions, tok.pad_token_id, 1.0)
+        eager, _ = completion_logprobs(reference, prompts, completions, tok.pad_token_id, 1.0)
+    assert mask.sum() > 0 and torch.allclose(ours, eager, atol=1e-5)
+    sampled = torch.tensor([lp for r in rollouts for lp in r.logprobs])
+    assert torch.allclose(sampled, ours[mask.bool()], atol=1e-4)  # behaviour log-probs agree with scoring
+    plain, _ = load_policy(save_tiny_policy(tmp_path / "mha", TinyModelConfig(seed=3)))
+    assert plain.config._attn_implementation != SDPA_GQA  # without grouped heads: transformers' default
+
+
+def test_sampling_in_threads_leaves_the_process_environment_alone(tmp_path):
+    """A demo crashed when httpx iterated ``os.environ`` while sampling set and deleted an
+    attention variable in another thread. Sampling now changes no process-wide state at all:
+    a reader walking the environment throughout sees it unchanged."""
     import os
     import threading
-    import time
 
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
-    errors, inside, start = [], [], threading.Barrier(8)
+    model, tok = load_policy(_gqa_policy(tmp_path / "gqa"))
+    before, errors, done = dict(os.environ), [], threading.Event()
 
-    def user():
+    def sampler(seed):
         try:
-            start.wait()
-            for _ in range(50):
-                with sampling.grouped_query_attention():
-                    time.sleep(0.0005)  # overlap: another thread exits while this one samples
-                    inside.append(os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"))
-        except Exception as exc:  # a KeyError here is the race this guards against
+            for _ in range(3):
+                sample_token_ids(model, tok, _rows(tok), SamplingConfig(num_samples=2, max_new_tokens=6, seed=seed))
+        except Exception as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=user) for _ in range(8)]
+    threads = [threading.Thread(target=sampler, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
+    walks = 0
+    while any(t.is_alive() for t in threads) or walks == 0:
+        try:
+            assert {k: os.environ[k] for k in os.environ} == before  # httpx's proxy lookup does this walk
+        except (KeyError, AssertionError) as exc:
+            errors.append(exc)
+            break
+        walks += 1
     for t in threads:
         t.join()
-    assert errors == [] and set(inside) == {"1"} and len(inside) == 400
-    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
-    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
-    with sampling.grouped_query_attention():
-        assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
-    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
+    assert errors == [] and walks > 0

@@ -43,11 +43,8 @@ demo's evaluation): 1.3 s per two-call trajectory before these changes, 0.6 s af
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,42 +181,6 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 def _max_positions(model: PreTrainedModel) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
-
-
-_GQA_KEY = "TRANSFORMERS_SDPA_FORCE_GQA"
-_gqa_lock = threading.Lock()
-_gqa_users = 0
-_gqa_before: str | None = None
-
-
-@contextlib.contextmanager
-def grouped_query_attention() -> Iterator[None]:
-    """Let Hugging Face's SDPA attention hand grouped key/value heads to PyTorch as they are
-    (``enable_gqa``) instead of repeating them per query head, also when an attention mask is
-    given (``TRANSFORMERS_SDPA_FORCE_GQA=1``, read at each call; restored when the last user
-    exits). The result is the same to float precision (measured: log-probs within 2e-5); on 2 CPU
-    cores, with SmolLM2's 3 key/value heads for 9 query heads, the copies it saves were a third
-    of a prefill and a fifth of a decode step of 192 rows.
-
-    Thread-safe: the variable is process-wide and the gateway's batcher samples in its own thread
-    while a run's main thread may evaluate, so users are counted under a lock (two threads each
-    removing it raised ``KeyError`` in ``os.environ.pop``, seen in a demo run)."""
-    global _gqa_users, _gqa_before
-    with _gqa_lock:
-        if _gqa_users == 0:
-            _gqa_before = os.environ.get(_GQA_KEY)
-            os.environ[_GQA_KEY] = "1"
-        _gqa_users += 1
-    try:
-        yield
-    finally:
-        with _gqa_lock:
-            _gqa_users -= 1
-            if _gqa_users == 0:
-                if _gqa_before is None:
-                    os.environ.pop(_GQA_KEY, None)
-                else:
-                    os.environ[_GQA_KEY] = _gqa_before
 
 
 #: rows sharing at least this many leading tokens have them computed once (module docstring)
@@ -412,11 +373,10 @@ def _generate(
         steps = min(DECODE_CHUNK, max_new_tokens - len(tokens[int(active[0])]))
         sampled = bool((temperatures[active] > 0).any())
         processors = LogitsProcessorList([RowSampler(temperatures[active], top_ps[active], generator)] if sampled else [])
-        with grouped_query_attention():
-            out = model.generate(
-                input_ids=sequences.to(device), attention_mask=mask.to(device), past_key_values=cache,
-                generation_config=_generation_config(steps, tokenizer), logits_processor=processors,
-            )  # fmt: skip
+        out = model.generate(
+            input_ids=sequences.to(device), attention_mask=mask.to(device), past_key_values=cache,
+            generation_config=_generation_config(steps, tokenizer), logits_processor=processors,
+        )  # fmt: skip
         new = out.sequences[:, sequences.shape[1] :].cpu()  # [active, new]
         step_logp = torch.stack(
             [F.log_softmax(step.float().cpu() / scale[active].unsqueeze(1), dim=-1).gather(-1, new[:, k : k + 1]).squeeze(-1)
@@ -518,16 +478,15 @@ def completion_logprobs(
             completion_mask[i, : len(c)] = 1.0
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0) + shared  # [batch, width]
 
-    with grouped_query_attention():
-        cache = _prefix_cache(model, list(prompt_ids[0][:shared]), batch) if shared else None
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=torch.cat([torch.ones((batch, shared), dtype=torch.long), attention_mask], dim=1).to(device),
-            position_ids=position_ids.to(device),
-            past_key_values=cache,
-            use_cache=cache is not None,
-            logits_to_keep=comp_width + 1,
-        ).logits[:, :-1]  # [batch, comp_width, vocab]: the last column predicts past the end
+    cache = _prefix_cache(model, list(prompt_ids[0][:shared]), batch) if shared else None
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=torch.cat([torch.ones((batch, shared), dtype=torch.long), attention_mask], dim=1).to(device),
+        position_ids=position_ids.to(device),
+        past_key_values=cache,
+        use_cache=cache is not None,
+        logits_to_keep=comp_width + 1,
+    ).logits[:, :-1]  # [batch, comp_width, vocab]: the last column predicts past the end
     picked = logits.gather(1, predict_at.to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [batch, comp, vocab]
     row_temperature = torch.tensor([t if t > 0 else 1.0 for t in temps], device=device).view(batch, 1, 1)
     logp = F.log_softmax(picked.float() / row_temperature, dim=-1)

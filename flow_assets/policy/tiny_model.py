@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -28,6 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from flow_assets.policy.attention import attention_implementation
 from flow_assets.policy.tokenizer import CharTokenizerConfig, build_char_tokenizer
 
 
@@ -136,9 +138,14 @@ def save_tiny_policy(directory: str | Path, config: TinyModelConfig | None = Non
 def load_policy(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a saved policy (tiny or real) the standard way; the model is returned in eval mode.
 
+    A grouped-query model (fewer key/value heads than query heads, e.g. SmolLM2) is loaded with
+    :data:`flow_assets.policy.attention.SDPA_GQA`, which hands the grouped heads to PyTorch
+    without copying them; any other model gets transformers' default attention.
+
     Raises:
         OSError: if ``directory`` holds no model or tokenizer (raised by ``from_pretrained``).
     """
-    model = AutoModelForCausalLM.from_pretrained(str(directory))
+    config = AutoConfig.from_pretrained(str(directory))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation=attention_implementation(config))
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     return model.eval(), tokenizer

@@ -1,0 +1,54 @@
+"""flowopt changes no process-wide environment at run time.
+
+The gateway samples in its own thread while a run evaluates, and httpx, transformers and Dagster
+read ``os.environ`` whenever they like: a variable set and deleted around a call crashed a demo
+(``KeyError`` inside httpx's proxy lookup). A setting is passed explicitly instead; this test reads
+every module of the code location so that no new mutation slips in.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("flow_assets", "resources", "sensors")
+MUTATORS = {"pop", "update", "setdefault", "clear", "popitem", "__setitem__", "__delitem__"}
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name) and node.value.id == "os"
+
+
+def environment_mutations(source: str) -> list[int]:
+    """Line numbers of ``os.environ[...] = / del os.environ[...] / os.environ.pop|update|... /
+    os.putenv / os.unsetenv`` in ``source``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        if any(isinstance(t, ast.Subscript) and _is_environ(t.value) for t in targets):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            if func.attr in MUTATORS and _is_environ(func.value):
+                lines.append(node.lineno)
+            if func.attr in ("putenv", "unsetenv") and isinstance(func.value, ast.Name) and func.value.id == "os":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_scanner_finds_every_shape_of_mutation():
+    source = "import os\nos.environ['A'] = '1'\ndel os.environ['A']\nos.environ.pop('A', None)\nos.environ.update(a='1')\nos.putenv('A', '1')\nx = os.environ.get('A')\n"
+    assert environment_mutations(source) == [2, 3, 4, 5, 6]
+
+
+def test_no_module_of_the_code_location_changes_the_process_environment():
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (lines := environment_mutations(path.read_text()))
+    }
+    assert found == {}, f"pass the setting explicitly instead of changing os.environ: {found}"
