@@ -70,13 +70,24 @@ def _demo_real(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from flow_assets.gateway.app import GatewayConfig
-    from flow_assets.gateway.server import serve_forever
+    from flow_assets.gateway.guard import RequestLimits
+    from flow_assets.gateway.server import check_bind, gateway_tokens, serve_forever
     from flow_assets.policy.store import PolicyStore
 
     from flow_assets.ingest import check_source
 
     if bad := check_source(args.source):
         print(f"flowopt serve: {bad}", file=sys.stderr)
+        return 2
+    try:  # before the model loads: a refusal is immediate
+        tokens = gateway_tokens(args.tokens_file)
+        check_bind(args.host, tokens)
+        limits = RequestLimits(int(args.max_body_mb * 1024 * 1024), args.body_timeout)
+    except OSError as exc:
+        print(f"flowopt serve: --tokens-file: {exc.strerror or exc}: {args.tokens_file}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"flowopt serve: {exc}", file=sys.stderr)
         return 2
     store = PolicyStore(models_root=args.models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
     if not store.base_path.is_dir():
@@ -91,14 +102,16 @@ def _serve(args: argparse.Namespace) -> int:
         batch_flush_seconds=args.flush_seconds,
         rollout_timeout_s=args.rollout_timeout,
         source=args.source,
+        limits=limits,
     )
     gateway = store.make_gateway(args.landing, config=config)
     print(
         f"flowopt gateway: http://{args.host}:{args.port}/v1 serving {', '.join(gateway.resolver.names())}; "
-        f"rollouts land in {Path(args.landing) / args.source}",
+        f"rollouts land in {Path(args.landing) / args.source}; "
+        + (f"{len(tokens)} bearer token(s) required" if tokens else "no token required (loopback only)"),
         flush=True,
     )
-    serve_forever(gateway, args.host, args.port)
+    serve_forever(gateway, args.host, args.port, tokens)
     return 0
 
 
@@ -448,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
     serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")
     serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands as an error after this many seconds")
+    serve.add_argument("--tokens-file", default=None, help="bearer tokens, one a line, besides $FLOWOPT_GATEWAY_TOKENS (comma-separated); "
+                       "required to bind beyond loopback")  # fmt: skip
+    serve.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (default 8; larger: 413)")
+    serve.add_argument("--body-timeout", type=float, default=60.0, help="seconds to receive a request's body (default 60; slower: 408)")
     serve.set_defaults(fn=_serve)
     models = sub.add_parser("models", help="pretrained model presets shipped in pip packages")
     models_sub = models.add_subparsers(dest="models_command", required=True)
