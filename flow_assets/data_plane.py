@@ -72,11 +72,12 @@ class InteractionLogsConfig(Config):
     )
     redact_fields: list[str] = Field(
         default_factory=lambda: list(DEFAULT_FIELDS),
-        description="field names (exact, case-insensitive) whose string values are redacted",
+        description="substrings of field names (case-insensitive) whose string values are redacted; pass and pwd "
+        "are redacted as whole names (flow_assets/logs/redact.py)",
     )
     redact_patterns: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_PATTERNS),
-        description="kind -> regular expression of secret values, redacted wherever they occur",
+        description="kind -> regular expression (RE2 syntax) of secret values, redacted wherever they occur",
     )
 
     def redaction(self) -> RedactionConfig:
