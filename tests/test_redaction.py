@@ -6,6 +6,7 @@ import json
 import shutil
 
 import polars as pl
+import pytest
 import pyarrow.parquet as pq
 
 from flow_assets.definitions import build_definitions
@@ -21,6 +22,18 @@ AWS_KEY = "AKIAIOSFODNN7EXAMPLE"
 BEARER = "eyJhbGciOiJIUzI1NiJ9.c2VjcmV0.dGVzdA"
 PASSWORD = "correct horse battery staple"
 SECRETS = (OPENAI_KEY, GITHUB_TOKEN, AWS_KEY, BEARER, PASSWORD)
+# what real logs leak besides (issue #25): each value is unique, so finding it anywhere is a leak
+PEM_BODY = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7VJTUt9Us8cKj"
+PEM = f"-----BEGIN PRIVATE KEY-----\n{PEM_BODY}\nMGv8p3mQ2xZ7kLw9Rt4Yb1Nc6Hs0Fd5Ue2Ia8Oj3\n-----END PRIVATE KEY-----"
+JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJtaWFfbGlfMzY2OCJ9.Sfl9KxwRJSMeKKF2QT4fwpMeJf36POk6yJV"
+DB_PASSWORD = "Pg-s3cr3t-9f8e"
+DB_URL = f"postgres://flowopt:{DB_PASSWORD}@db.internal:5432/prod"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+GITHUB_PAT = "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEF"
+SLACK = "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOp"
+GITLAB = "glpat-Zx9Yw8Vu7Ts6Rq5Po4Nm"
+NEW_PASSWORD, USER_PASSWORD, PASSPHRASE, PASS = "n3w-Pa55!", "us3r-Pa55!", "open sesame 42", "hunter2-pass"
+LEAKS = (PEM_BODY, JWT, DB_PASSWORD, AWS_SECRET, GITHUB_PAT, SLACK, GITLAB, NEW_PASSWORD, USER_PASSWORD, PASSPHRASE, PASS)
 
 
 def test_values_that_look_like_keys_are_replaced_by_kind():
@@ -50,6 +63,38 @@ def test_numbers_and_token_id_arrays_are_never_touched_and_redaction_can_be_off(
     assert redact_line(secret, RedactionConfig(enabled=False)) == (secret, {})
 
 
+def test_what_real_logs_leak_is_replaced_in_plain_and_encoded_json():
+    args = json.dumps({"new_password": NEW_PASSWORD, "user_password": USER_PASSWORD, "pass": PASS, "dsn": DB_URL})
+    content = (f"cat ~/.aws/credentials:\naws_secret_access_key = {AWS_SECRET}\n{PEM}\n"
+               f"token {JWT}, {GITHUB_PAT}, {SLACK}, {GITLAB}")
+    record = {"content": content, "passphrase": PASSPHRASE, "tool_calls": [{"function": {"arguments": args}}],
+              "passenger": "Mia Li", "token_ids": [1, 2], "max_tokens": 64, "pem_in_args": json.dumps({"key": PEM})}
+    out, counts = redact_line(json.dumps(record).encode())
+    assert [leak for leak in LEAKS if leak.encode() in out] == []
+    decoded = json.loads(out)  # still valid JSON, encoded arguments too
+    assert json.loads(decoded["tool_calls"][0]["function"]["arguments"]) == {
+        "new_password": "[REDACTED:new_password]", "user_password": "[REDACTED:user_password]",
+        "pass": "[REDACTED:pass]", "dsn": "postgres://[REDACTED:url_credentials]@db.internal:5432/prod"}
+    assert json.loads(decoded["pem_in_args"]) == {"key": "[REDACTED:pem_private_key]"}
+    assert decoded["passenger"] == "Mia Li" and decoded["token_ids"] == [1, 2] and decoded["max_tokens"] == 64
+    assert "aws_secret_access_key = [REDACTED:aws_secret_key]\n[REDACTED:pem_private_key]\ntoken [REDACTED:jwt]" in decoded["content"]
+    assert counts == {"new_password": 1, "user_password": 1, "pass": 1, "url_credentials": 1, "pem_private_key": 2,
+                      "aws_secret_key": 1, "jwt": 1, "github_token": 1, "slack_token": 1, "gitlab_token": 1, "passphrase": 1}
+
+
+def test_a_truncated_pem_block_is_redacted_to_the_end_of_its_string():
+    line = json.dumps({"output": PEM[:120], "next": "kept"}).encode()
+    out, counts = redact_line(line)
+    assert json.loads(out) == {"output": "[REDACTED:pem_private_key]", "next": "kept"} and counts == {"pem_private_key": 1}
+
+
+def test_a_pattern_that_is_not_re2_is_refused_naming_its_kind():
+    from flow_assets.logs.redact import Redactor
+
+    with pytest.raises(ValueError, match="'mine'.*not valid RE2"):
+        Redactor(RedactionConfig(patterns={"mine": "a(?!b)"}))
+
+
 def _planted_tau_bench(path):
     runs = json.loads(TAU_BENCH.read_bytes())
     traj = runs[0]["traj"]
@@ -60,6 +105,16 @@ def _planted_tau_bench(path):
     output["content"] += f"\nAuthorization: Bearer {BEARER}"
     user = next(m for m in traj if m["role"] == "user")
     user["content"] += f" (my aws key is {AWS_KEY}, github {GITHUB_TOKEN})"
+    # and what the issue found surviving: in tool arguments (encoded JSON), a tool output, a user turn
+    other = next(r["traj"] for r in runs[1:] if any(m.get("tool_calls") for m in r["traj"]))
+    call = next(m for m in other if m.get("tool_calls"))
+    args = json.loads(call["tool_calls"][0]["function"]["arguments"])
+    extra = {"new_password": NEW_PASSWORD, "user_password": USER_PASSWORD, "passphrase": PASSPHRASE, "pass": PASS}
+    call["tool_calls"][0]["function"]["arguments"] = json.dumps({**args, **extra, "dsn": DB_URL})
+    output = next(m for m in other if m["role"] == "tool")
+    output["content"] += f"\naws_secret_access_key={AWS_SECRET}\n{PEM}\n"
+    user = next(m for m in other if m["role"] == "user")
+    user["content"] += f" session {JWT}, tokens {GITHUB_PAT} {SLACK} {GITLAB}"
     path.write_text(json.dumps(runs, indent=2))
 
 
@@ -89,13 +144,17 @@ def test_no_planted_secret_survives_anywhere_under_the_lake(tmp_path, dagster_in
         if path.suffix == ".parquet":
             table = pq.read_table(path)
             blobs += [json.dumps(table.to_pylist(), default=lambda b: b.decode("utf-8", "replace")).encode()]
-        found += [(str(path), s) for s in SECRETS for blob in blobs if s.encode() in blob]
+        found += [(str(path), s) for s in SECRETS + LEAKS for blob in blobs if s.encode() in blob]
     assert found == []
+    for table in ("interaction_logs", "trajectories", "steps"):  # the tables the issue found them in
+        assert lake.read_partition(table, tau).height > 0
     # nor in the metadata previews Dagster keeps
     for db in (tmp_path / "dagster_home").rglob("*.db"):
-        assert not any(s.encode() in db.read_bytes() for s in SECRETS), db
+        assert not any(s.encode() in db.read_bytes() for s in SECRETS + LEAKS), db
     counts = lake.read_batch_note(tau, "redaction")["redacted"]
-    assert counts == {"password": 1, "api_key": 1, "bearer": 1, "aws_access_key": 1, "github_token": 1}
+    assert counts == {"password": 1, "api_key": 1, "bearer": 1, "aws_access_key": 1, "github_token": 2,
+                      "new_password": 1, "user_password": 1, "passphrase": 1, "pass": 1, "url_credentials": 1,
+                      "aws_secret_key": 1, "pem_private_key": 1, "jwt": 1, "slack_token": 1, "gitlab_token": 1}
 
 
 def test_a_gzip_log_is_redacted_and_stays_gzip(tmp_path, dagster_instance):
@@ -124,7 +183,7 @@ def test_a_gzip_log_is_redacted_and_stays_gzip(tmp_path, dagster_instance):
 def test_a_block_of_lines_is_redacted_as_its_lines_one_by_one_and_in_parallel_the_same(tmp_path):
     import io
 
-    from flow_assets.logs.redact import DEFAULT_FIELDS, Redactor, field_triggers
+    from flow_assets.logs.redact import Redactor
     from resources.lake import _line_blocks
 
     planted = tmp_path / "planted.json"
@@ -146,9 +205,3 @@ def test_a_block_of_lines_is_redacted_as_its_lines_one_by_one_and_in_parallel_th
     serial, parallel = Redactor(), Redactor()
     assert b"".join(parallel.stream(blocks, workers=2)) == b"".join(serial.stream(blocks)) == expected * 2
     assert parallel.counts == serial.counts == {k: 2 * v for k, v in one_by_one.counts.items()}
-    # every member form of every default field holds one of the (few) triggers
-    triggers = field_triggers(DEFAULT_FIELDS)
-    assert len(triggers) < len(DEFAULT_FIELDS)
-    for name in DEFAULT_FIELDS:
-        for form in (f'"{name}"', f'\\"{name}\\"'):
-            assert any(t in form.lower().encode() for t in triggers), form
