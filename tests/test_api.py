@@ -113,7 +113,8 @@ def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api, cap
     assert any(e["event"] == "rpc" and e["method"] == "training.cancel" and e["job_id"] == job for e in events)
     again = _rpc(url, "training.cancel", {"job_id": job}).json()["error"]
     assert again["code"] == INVALID_STATE and "cancelled" in again["message"]
-    metrics = httpx.get(url + "/metrics").text
+    assert httpx.get(url + "/metrics").status_code == 401  # per-agent spend: the token's business
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'flowopt_api_requests_total{method="training.start_grpo",outcome="ok"}' in metrics
     assert 'flowopt_api_jobs{state="cancelled"}' in metrics and "flowopt_api_request_seconds_bucket" in metrics
     # training.evaluate names a registry version; this deployment's registry holds none
@@ -168,7 +169,7 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     started = _rpc(url, "training.start_grpo", {"agent_id": "adder", "log_batches": [key], "budget_usd": 0.5}).json()["result"]
     assert started["budget_usd"] == 0.5 and started["spend"]["total_usd"] == pytest.approx(0.42)
     _rpc(url, "training.cancel", {"job_id": started["job_id"]})
-    assert 'flowopt_budget_spent_usd{agent="adder"} 0.42' in httpx.get(url + "/metrics").text
+    assert 'flowopt_budget_spent_usd{agent="adder"} 0.42' in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     # the round boundary: a queued round of a job whose budget is spent by the time it starts fails
     # before training, and the job reads failed / budget
     defs = build_definitions(lake.root, os.environ["FLOWOPT_TEST_API_LANDING"], models_root=str(tmp_path / "models"), settle_seconds=0)
@@ -193,10 +194,13 @@ def test_trajectories_are_exported_by_batch_and_time_as_parquet_or_jsonl_and_dow
     assert {"reward", "advantage", "record_json", "task_id", "agent_id"} <= set(table.columns) and table["record_json"].null_count() == 0
     # every batch, since the start of today (UTC): only the served trajectories are recent
     today = datetime.now(timezone.utc).strftime("%Y-%m-%dT00:00:00Z")
-    path = tmp_path / "recent.jsonl"
-    recent = _rpc(url, "training.export_trajectories", {"since": today, "format": "jsonl", "path": str(path)}).json()["result"]
-    assert recent["rows"] == 3 and recent["url"] is None
-    assert sorted(json.loads(line)["trajectory_id"] for line in path.read_text().splitlines()) == ["adder-0", "adder-1", "adder-2"]
+    recent = _rpc(url, "training.export_trajectories", {"since": today, "format": "jsonl"}).json()["result"]
+    assert recent["rows"] == 3 and recent["name"].endswith(".jsonl") and "path" not in recent
+    lines = httpx.get(url + recent["url"], headers={"Authorization": f"Bearer {TOKEN}"}).text.splitlines()
+    assert sorted(json.loads(line)["trajectory_id"] for line in lines) == ["adder-0", "adder-1", "adder-2"]
+    # where the file goes is the API's choice alone (a client path once overwrote the registry)
+    refused = _rpc(url, "training.export_trajectories", {"since": today, "path": str(tmp_path / "x.parquet")}).json()["error"]
+    assert refused["code"] == INVALID_PARAMS and refused["data"]["errors"][0]["field"] == "path" and not (tmp_path / "x.parquet").exists()
     bad = _rpc(url, "training.export_trajectories", {"batches": ["nope"]}).json()["error"]
     assert bad["code"] == INVALID_PARAMS and bad["data"]["errors"][0]["field"] == "batches.0"
     naive = _rpc(url, "training.export_trajectories", {"since": "2026-01-01T00:00:00"}).json()["error"]

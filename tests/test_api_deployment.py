@@ -159,5 +159,5 @@ def test_a_job_pauses_after_a_step_resumes_from_its_checkpoint_and_completes_bes
     runs = {r.run_id: r for r in instance.get_runs() if r.job_name == "training_round_job"}
     ran = [r for r in runs.values() if r.status.value in ("SUCCESS", "FAILURE")]
     assert ran and all(r.tags["flowopt/job"] in (job, budgeted, failing) for r in ran)
-    metrics = httpx.get(api.api_url + "/metrics").text
+    metrics = httpx.get(api.api_url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'flowopt_api_jobs{state="completed"} 1.0' in metrics and 'flowopt_api_jobs{state="cancelled"}' in metrics

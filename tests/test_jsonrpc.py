@@ -83,3 +83,25 @@ def test_a_batch_answers_each_call_and_notifications_get_no_answer():
     assert seen == ["j1", "j1"]  # the notification ran
     assert _call(rpc, [{"jsonrpc": "2.0", "method": "training.get_status", "params": {"job_id": "j1"}}]) is None
     assert _call(rpc, {"jsonrpc": "2.0", "method": "training.get_status", "params": {"job_id": "boom"}}) is None
+
+
+def test_a_batch_over_the_limit_is_refused_whole_and_nothing_runs():
+    rpc, seen = Dispatcher(max_batch=3), []
+    rpc.method("training.get_status", StatusParams)(lambda p: seen.append(p.job_id))
+    call = {"jsonrpc": "2.0", "method": "training.get_status", "params": {"job_id": "j1"}, "id": 1}
+    refused = _call(rpc, [call] * 4)
+    assert refused["error"]["code"] == INVALID_REQUEST and refused["id"] is None and "limit of 3" in refused["error"]["message"]
+    assert seen == []
+    assert len(_call(rpc, [call] * 3)) == 3 and seen == ["j1"] * 3
+
+
+def test_deep_nesting_is_a_parse_error_and_no_message_names_a_server_file():
+    rpc, _ = _dispatcher()
+    assert _call(rpc, b"[" * 200_000 + b"]" * 200_000)["error"]["code"] == PARSE_ERROR  # RecursionError in json.loads before
+
+    @rpc.method("training.cancel", StatusParams)
+    def cancel(p: StatusParams):
+        raise RpcError(UNKNOWN_JOB, "no job in '/srv/flowopt/lake/trajectories/batch=k/data.parquet' (see http://host:3000/runs)")
+
+    error = _call(rpc, {"jsonrpc": "2.0", "method": "training.cancel", "params": {"job_id": "j"}, "id": 1})["error"]
+    assert error["message"] == "no job in '<path>' (see http://host:3000/runs)"

@@ -21,6 +21,12 @@ run tag ``flowopt/gate``). Budget: ``start_grpo`` refuses (-32003) when the agen
 monthly budget (:mod:`flow_assets.api.budget`); each round checks it again when it starts
 (``policy_checkpoint``) and fails with the run tag ``flowopt/job_failure = budget``, so a job
 whose budget runs out stops at the next round boundary, state ``failed``, reason ``budget``.
+
+Data checks: a batch whose blocking data checks failed (``advantages_finite``,
+``records_conserved``) is never trained on, on this path as on the sensor's: ``start_grpo``
+refuses it (-32602 naming the batch and the check) and ``resume`` refuses to resubmit a round on
+one (-32004); both ask :func:`flow_assets.data_checks.failed_data_checks`, the function
+``training_round_sensor`` decides with.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from typing import Any, Literal
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, Failure, RunsFilter
 from pydantic import BaseModel, Field
 
-from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError
+from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError, scrub_paths
+from flow_assets.data_checks import failed_data_checks
 
 JOB_TAG = "flowopt/job"
 AGENT_TAG = "flowopt/job_agent"
@@ -198,12 +205,20 @@ class JobService:
         """Submit one training round per log batch; returns the job's status.
 
         Raises:
-            RpcError(INVALID_PARAMS): a batch that is not a log batch partition (named by index).
+            RpcError(INVALID_PARAMS): a batch that is not a log batch partition, or one whose
+                blocking data checks failed (named by index, with the failed checks).
+            RpcError(BUDGET_EXCEEDED): the agent's monthly budget is spent.
         """
         known = self.partitions()
         for i, key in enumerate(params.log_batches):
             if key not in known:
                 raise RpcError(INVALID_PARAMS, f"invalid params: log_batches.{i}: no log batch {key!r}", {"errors": [{"field": f"log_batches.{i}", "message": "unknown log batch"}]})
+        for i, key in enumerate(params.log_batches):
+            failed = failed_data_checks(self.instance, key)
+            if failed:
+                checks = ", ".join(failed)
+                raise RpcError(INVALID_PARAMS, f"invalid params: log_batches.{i}: batch {key!r} failed the blocking data check(s) {checks}; it is not trained on",
+                               {"errors": [{"field": f"log_batches.{i}", "message": f"failed blocking data check(s): {checks}", "batch": key, "checks": failed}]})  # fmt: skip
         budget = params.budget_usd or self.default_budget_usd
         if self.spend is not None:
             spent = self.spend(params.agent_id)
@@ -266,7 +281,8 @@ class JobService:
             chosen = next((e for e in chain if e.cls_name == Failure.__name__), chain[-1] if chain else None)
             if chosen is not None:
                 message = chosen.message.strip().removeprefix(f"{Failure.__module__}.{Failure.__name__}: ")
-                return "error: " + message.splitlines()[0][:300]
+                # the reason reaches clients: where the server keeps its files is not theirs to see
+                return "error: " + scrub_paths(message.splitlines()[0] if message else "")[:300]
         return "error"
 
     def _evaluation(self, run) -> dict[str, Any] | None:
@@ -336,16 +352,22 @@ class JobService:
         (a new attempt, same tags); a round paused mid-training continues from its checkpoint.
 
         Raises:
-            RpcError(UNKNOWN_JOB / INVALID_STATE): no such job, or it is not paused.
+            RpcError(UNKNOWN_JOB / INVALID_STATE): no such job, it is not paused, or a round to
+                resubmit is on a batch whose blocking data checks failed (the job stays paused).
         """
         runs = self._runs(params.job_id)
         state = self._state(runs)
         if state != "paused":
             raise RpcError(INVALID_STATE, f"job {params.job_id!r} is {state}; only a paused job can be resumed")
+        todo = [run for run in latest_per_round(runs) if run.status != DagsterRunStatus.SUCCESS]
+        for run in todo:  # a batch re-materialised since start_grpo may have failed its checks
+            key = run.tags.get("dagster/partition", "")
+            failed = failed_data_checks(self.instance, key) if run.tags.get(KIND_TAG, "grpo") == "grpo" else []
+            if failed:
+                raise RpcError(INVALID_STATE, f"job {params.job_id!r}: round {run.tags.get(ROUND_TAG)} is on batch {key!r}, which failed the blocking data check(s) "
+                               f"{', '.join(failed)}; it is not trained on (cancel the job)", {"batch": key, "checks": failed})  # fmt: skip
         self.instance.run_storage.set_cursor_values({pause_key(params.job_id): ""})
-        for run in latest_per_round(runs):
-            if run.status == DagsterRunStatus.SUCCESS:
-                continue
+        for run in todo:
             keep = ("dagster/partition", JOB_TAG, AGENT_TAG, ROUND_TAG, BUDGET_TAG)
             tags = {k: run.tags[k] for k in keep if k in run.tags}
             tags["flowopt/job_attempt"] = str(int(run.tags.get("flowopt/job_attempt", "1")) + 1)

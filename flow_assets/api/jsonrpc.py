@@ -9,10 +9,12 @@ by-position (array) parameters, and the error objects:
 =======  ===================  ===================================================================
 code     name                 when
 =======  ===================  ===================================================================
--32700   parse error          the body is not JSON (or not UTF-8)
+-32700   parse error          the body is not JSON (or not UTF-8), or nests deeper than Python's
+                              parser goes (``RecursionError``)
 -32600   invalid request      not a request object: ``jsonrpc`` not ``"2.0"``, no string
                               ``method``, ``params`` neither object nor array, a bad ``id``; an
-                              empty batch
+                              empty batch, or one of more than ``max_batch`` calls (refused whole,
+                              nothing runs)
 -32601   method not found     an unknown method
 -32602   invalid params       the parameters do not validate; ``data.errors`` names each field
 -32603   internal error       a handler failed unexpectedly; ``data.error_id`` finds it in the
@@ -22,12 +24,15 @@ code     name                 when
 -32003   budget exceeded      the agent's monthly budget is spent
 -32004   invalid job state    e.g. resume a job that is not paused
 =======  ===================  ===================================================================
+
+No error message names a file of the server: every message passes :func:`scrub_paths`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +51,20 @@ BUDGET_EXCEEDED = -32003
 INVALID_STATE = -32004
 
 log = logging.getLogger("flowopt.api")
+
+#: the most calls one batch may hold unless the dispatcher is told otherwise
+DEFAULT_MAX_BATCH = 100
+
+# an absolute POSIX path: "/" not preceded by a word character, ".", ":" or "/" (so a URL's
+# "//host/route" and a ratio "1/2" are left alone), up to whitespace, a quote or a bracket
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"`,;()\[\]{}<>]+")
+
+
+def scrub_paths(text: str) -> str:
+    """``text`` with every absolute filesystem path replaced by ``<path>``: what the API returns
+    to a client (an error message, a job's ``reason``) must not show where the server keeps its
+    lake, models or instance."""
+    return _ABSOLUTE_PATH.sub("<path>", text)
 
 
 class RpcError(Exception):
@@ -67,7 +86,7 @@ class Method:
 
 
 def _error(code: int, message: str, ident: Any = None, data: Any = None) -> dict:
-    error = {"code": code, "message": message}
+    error = {"code": code, "message": scrub_paths(message)}
     if data is not None:
         error["data"] = data
     return {"jsonrpc": "2.0", "error": error, "id": ident}
@@ -78,10 +97,22 @@ def _field_errors(exc: ValidationError) -> list[dict[str, str]]:
 
 
 class Dispatcher:
-    """Methods by name, and the JSON-RPC 2.0 framing around them."""
+    """Methods by name, and the JSON-RPC 2.0 framing around them.
 
-    def __init__(self) -> None:
+    Args:
+        max_batch: the most calls one batch request may hold; a longer batch is refused whole
+            (-32600, nothing runs), so one HTTP request cannot hold the server for thousands of
+            calls.
+
+    Raises:
+        ValueError: ``max_batch`` < 1.
+    """
+
+    def __init__(self, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.methods: dict[str, Method] = {}
+        self.max_batch = max_batch
 
     def method(self, name: str, params: type[BaseModel]) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
         """Decorator: register ``fn(params: <params model>) -> JSON-serialisable result`` as
@@ -142,9 +173,14 @@ class Dispatcher:
             payload = json.loads(body)
         except (UnicodeDecodeError, ValueError):
             return json.dumps(_error(PARSE_ERROR, "parse error: the body is not JSON")).encode()
+        except RecursionError:
+            return json.dumps(_error(PARSE_ERROR, "parse error: the body nests too deeply")).encode()
         if isinstance(payload, list):
             if not payload:
                 return json.dumps(_error(INVALID_REQUEST, "an empty batch")).encode()
+            if len(payload) > self.max_batch:
+                message = f"a batch of {len(payload)} calls exceeds this server's limit of {self.max_batch}; send it as several requests"
+                return json.dumps(_error(INVALID_REQUEST, message, None, {"calls": len(payload), "max_batch": self.max_batch})).encode()
             responses = [r for r in (self.call_one(item) for item in payload) if r is not None]
             return json.dumps(responses).encode() if responses else None
         response = self.call_one(payload)

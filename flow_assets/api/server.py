@@ -4,44 +4,76 @@
 ``Authorization: Bearer <token>``; the tokens come from ``FLOWOPT_API_TOKENS`` (comma-separated,
 read through Dagster's ``EnvVar`` convention: never in config files) and are compared in constant
 time (``hmac.compare_digest``). A missing or wrong token is HTTP 401 with JSON-RPC error -32001.
-``GET /exports/<name>`` downloads an export (token required). ``GET /metrics`` is Prometheus text (requests and latency per method, jobs per state, each
-agent's spend this month);
-``GET /health`` needs no token. Logs are JSON lines on the ``flowopt.api`` logger, one per event:
-each call (method, outcome, latency, job id), each run submitted or terminated (job id, run id).
+``GET /exports/<name>`` downloads an export, ``GET /metrics`` is Prometheus text (requests and
+latency per method, jobs per state, each agent's spend this month) and ``GET /openapi.json`` the
+schema: all three need the token too. ``GET /health`` needs none. Logs are JSON lines on the
+``flowopt.api`` logger, one per event: each call (method, outcome, latency, job id), each run
+submitted or terminated (job id, run id).
+
+Request limits (:class:`Limits`): the token is checked from the headers before any of the body
+is read (an unauthenticated body is never read, whatever its size); a declared
+``Content-Length`` over ``max_body_bytes`` is 413 at once, and a chunked body is 413 as soon as it
+passes the cap; a body not received within ``body_timeout_s`` is 408; a batch of more than
+``max_batch`` calls is refused whole (-32600). Each of these answers closes the connection, so
+the rest of an unread body is not waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
-import uuid
-from pathlib import Path
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flow_assets.api.export import ExportParams, export_trajectories
 from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams, log_event
-from flow_assets.api.jsonrpc import UNAUTHORISED, Dispatcher
+from flow_assets.api.jsonrpc import DEFAULT_MAX_BATCH, INVALID_REQUEST, UNAUTHORISED, Dispatcher
 
-def training_dispatcher(service: JobService, export_dir: str | Path = ".exports") -> Dispatcher:
-    """The ``training.*`` methods on ``service``; exports without a ``path`` go to ``export_dir``
-    and are fetched with ``GET /exports/<name>``."""
-    rpc = Dispatcher()
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the API (module docstring for how each is enforced).
+
+    Args:
+        max_body_bytes: largest request body, bytes (default 4 MiB: a batch of 100 calls is a few
+            kB); larger is HTTP 413.
+        body_timeout_s: seconds to receive the whole body once the headers are in (default 30);
+            slower is HTTP 408.
+        max_batch: most calls in one JSON-RPC batch (default 100); more is -32600.
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    max_batch: int = DEFAULT_MAX_BATCH
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "body_timeout_s", "max_batch"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def training_dispatcher(service: JobService, export_dir: str | Path = ".exports", max_batch: int = DEFAULT_MAX_BATCH) -> Dispatcher:
+    """The ``training.*`` methods on ``service``; exports are written to ``export_dir`` under a
+    name the API chooses and fetched with ``GET /exports/<name>`` (a client-given ``path`` is
+    refused, -32602); a batch holds at most ``max_batch`` calls."""
+    rpc = Dispatcher(max_batch=max_batch)
 
     @rpc.method("training.export_trajectories", ExportParams)
     def export(params: ExportParams) -> dict:
         if service.lake is None:
             raise RuntimeError("this API has no lake to export from")
-        name = f"trajectories-{uuid.uuid4().hex[:12]}.{params.format}"
-        target = Path(params.path) if params.path else Path(export_dir) / name
-        out = export_trajectories(service.lake, params, target)
-        return {**out, "path": str(target.resolve()), "url": None if params.path else f"/exports/{name}"}
+        out = export_trajectories(service.lake, params, export_dir)
+        return {**out, "url": f"/exports/{out['name']}"}
 
     rpc.method("training.start_grpo", StartGrpoParams)(service.start_grpo)
     rpc.method("training.get_status", JobParams)(service.get_status)
@@ -62,14 +94,76 @@ def authorised(header: str | None, tokens: Sequence[str]) -> bool:
     return any(hmac.compare_digest(given, t.encode()) for t in tokens if t)
 
 
-def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None, export_dir: str | Path = ".exports") -> FastAPI:
-    """The ASGI app of the API (module docstring)."""
-    app = FastAPI(title="flowopt training API", docs_url=None, redoc_url=None)
+class _BodyRefused(Exception):
+    """A request body the API will not read to its end: ``status`` (413, 408, 400) and why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The request's body, read within ``limits`` (see :class:`Limits`).
+
+    Raises:
+        _BodyRefused: 400 (a malformed ``Content-Length`` or the client went away), 413 (larger
+            than ``limits.max_body_bytes``, declared or as received), 408 (not received within
+            ``limits.body_timeout_s``).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise _BodyRefused(400, "Content-Length is not a number")
+        if int(declared) > limits.max_body_bytes:
+            raise _BodyRefused(413, f"the body of {int(declared)} bytes exceeds this server's limit of {limits.max_body_bytes} bytes")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise _BodyRefused(413, f"the body exceeds this server's limit of {limits.max_body_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _BodyRefused(408, f"the body was not received within {limits.body_timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise _BodyRefused(400, "the client went away before the body was received") from None
+    return b"".join(chunks)
+
+
+def _refusal(status: int, code: int, message: str) -> Response:
+    """An HTTP error with a JSON-RPC error object; ``Connection: close``, so uvicorn drops the
+    connection instead of reading the rest of a body nobody will use."""
+    headers = {"Connection": "close"}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    payload = {"jsonrpc": "2.0", "error": {"code": code, "message": message}, "id": None}
+    return Response(json.dumps(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def _unauthorised() -> Response:
+    return _refusal(401, UNAUTHORISED, "unauthorised: a valid bearer token is required")
+
+
+def create_app(
+    rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None, export_dir: str | Path = ".exports", limits: Limits | None = None
+) -> FastAPI:
+    """The ASGI app of the API (module docstring); ``limits`` default to :class:`Limits`'s
+    defaults."""
+    limits = limits or Limits()
+    # the schema is served below behind the token, not at FastAPI's open default route
+    app = FastAPI(title="flowopt training API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        if not authorised(request.headers.get("authorization"), tokens):
+            return _unauthorised()
+        return JSONResponse(app.openapi())
 
     @app.get("/exports/{name}")
     async def download(name: str, request: Request) -> Response:
         if not authorised(request.headers.get("authorization"), tokens):
-            return Response(status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return _unauthorised()
         path = Path(export_dir) / name
         if "/" in name or name.startswith(".") or not path.is_file():
             return Response(status_code=404)
@@ -86,7 +180,10 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
         return {"ok": True}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # per-agent spend and job counts are the deployment's business: token required
+        if not authorised(request.headers.get("authorization"), tokens):
+            return _unauthorised()
         if service is not None:
             counts: dict[str, int] = {s: 0 for s in ("queued", "running", "paused", "completed", "failed", "cancelled")}
             listed = service.list_jobs(ListJobsParams(limit=1000))
@@ -102,15 +199,20 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
     @app.post("/rpc")
     async def rpc_endpoint(request: Request) -> Response:
         started = time.perf_counter()
-        body = await request.body()
+        # decided from the headers alone: an unauthenticated body is never read
         if not authorised(request.headers.get("authorization"), tokens):
             requests.labels("(unauthorised)", "error").inc()
-            payload = {"jsonrpc": "2.0", "error": {"code": UNAUTHORISED, "message": "unauthorised: a valid bearer token is required"}, "id": None}
-            return Response(json.dumps(payload), status_code=401, media_type="application/json", headers={"WWW-Authenticate": "Bearer"})
+            return _unauthorised()
+        try:
+            body = await read_body(request, limits)
+        except _BodyRefused as refused:
+            requests.labels(f"(refused {refused.status})", "error").inc()
+            log_event("rpc_refused", status=refused.status, why=refused.message)
+            return _refusal(refused.status, INVALID_REQUEST, refused.message)
         answer = await run_in_threadpool(rpc.handle, body)  # the instance's reads block: off the event loop
         seconds = time.perf_counter() - started
         latency.labels("/rpc").observe(seconds)
-        for method, outcome, job in _summaries(body, answer):
+        for method, outcome, job in _summaries(body, answer, set(rpc.methods), rpc.max_batch):
             requests.labels(method, outcome).inc()
             log_event("rpc", method=method, outcome=outcome, job_id=job, seconds=round(seconds, 6))
         if answer is None:
@@ -120,13 +222,17 @@ def create_app(rpc: Dispatcher, tokens: Sequence[str], service: JobService | Non
     return app
 
 
-def _summaries(body: bytes, answer: bytes | None) -> list[tuple[str, str, str | None]]:
-    """``(method, "ok"|"error", job id)`` per call, for metrics and the log line."""
+def _summaries(body: bytes, answer: bytes | None, known: set[str], max_batch: int) -> list[tuple[str, str, str | None]]:
+    """``(method, "ok"|"error", job id)`` per call, for metrics and the log line. A method name
+    the API does not serve reads ``(unknown)``: a client's names never become metric labels (one
+    label per name would let a client grow the metrics without bound)."""
     try:
         calls = json.loads(body)
         replies = json.loads(answer) if answer else []
-    except ValueError:
+    except (ValueError, RecursionError):
         return [("(unparsed)", "error", None)]
+    if isinstance(calls, list) and len(calls) > max_batch:
+        return [("(batch too large)", "error", None)]
     calls = calls if isinstance(calls, list) else [calls]
     replies = replies if isinstance(replies, list) else [replies]
     by_id = {json.dumps(r.get("id")): r for r in replies if isinstance(r, dict)}
@@ -136,6 +242,7 @@ def _summaries(body: bytes, answer: bytes | None) -> list[tuple[str, str, str | 
             out.append(("(invalid)", "error", None))
             continue
         method = call.get("method") if isinstance(call.get("method"), str) else "(invalid)"
+        method = method if method in known or method == "(invalid)" else "(unknown)"
         reply = by_id.get(json.dumps(call.get("id"))) if "id" in call else None
         params = call.get("params") if isinstance(call.get("params"), dict) else {}
         result = reply.get("result") if reply else None
