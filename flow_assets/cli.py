@@ -296,7 +296,7 @@ def _api(args: argparse.Namespace) -> int:
     service = deployment_service(instance, args.dagster_url)
     exports = os.environ.get("FLOWOPT_EXPORTS", ".exports")
     try:
-        limits = Limits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s, max_batch=args.max_batch)
+        limits = Limits(max_body_bytes=int(args.max_body_mb * 1024 * 1024), body_timeout_s=args.body_timeout_s, max_batch=args.max_batch)
     except ValueError as exc:
         print(f"flowopt api: {exc}", file=sys.stderr)
         return 2
