@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flow_assets.logs.formats.flat import stream_flat
-from flow_assets.rabbitmq.consumer import DEFAULT_URL, landed_ids, publish, quarantine_path
+from flow_assets.rabbitmq.consumer import DEFAULT_URL, BusConfig, landed_ids, publish, quarantine_path
 from flow_assets.rabbitmq.joiner import Delivery, Joiner
 from flow_assets.rabbitmq.messages import message_id, parse_message
 
@@ -135,8 +136,11 @@ def queues():
     yield prefix
     connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
     channel = connection.channel()
+    config = BusConfig(queue_prefix=prefix)
     for kind in ("tasks", "responses", "rewards"):
-        channel.queue_delete(queue=prefix + kind)
+        channel.queue_delete(queue=config.queue(kind))  # flowopt's tap
+        channel.queue_delete(queue=prefix + kind)  # an agent's own queue, where a test made one
+        channel.exchange_delete(exchange=config.exchange(kind))
     connection.close()
 
 
@@ -200,3 +204,186 @@ def test_a_consumer_killed_mid_stream_and_restarted_lands_every_record_exactly_o
     trajectories = TrajectoryLake(root=str(tmp_path / "lake")).scan("trajectories").collect()
     assert trajectories.height == n and trajectories["trajectory_id"].n_unique() == n
     assert trajectories["outcome_success"].null_count() == len(unlabelled)
+
+
+# -- one bad message is one quarantined message (issue #25, case 3) -----------------------------------------
+def _nested(levels: int) -> bytes:
+    return b'{"a": ' * levels + b"1" + b"}" * levels
+
+
+def test_bodies_too_deep_or_too_large_get_a_reason_and_parsing_never_raises():
+    head = b'{"task_id": "t", "response": "r", "agent_id": "a", "metadata": '
+    reason = parse_message("responses", head + _nested(100_000) + b"}")[1]  # json.loads: RecursionError
+    assert reason.startswith("body nests deeper than 64 levels")
+    assert parse_message("responses", head + _nested(63) + b"}")[1] is None  # the body is level 1
+    assert parse_message("responses", head + _nested(64) + b"}")[1] == "body nests deeper than 64 levels"
+    assert parse_message("responses", head + b"{\"x\": " + b"[" * 70 + b"]" * 70 + b"}}", max_depth=80)[1] is None
+    assert parse_message("tasks", b'{"task_id": "t", "input": "' + b"x" * 2000 + b'"}', max_bytes=1000)[1] == "body is 2,029 bytes, over the limit of 1,000"
+
+
+def _triples(n: int, tag: str = "") -> list:
+    messages = []
+    for i in range(n):
+        messages.append(("tasks", f"task-msg-{tag}{i}", {"task_id": f"q{tag}{i}", "input": f"what is {i}+1?", "metadata": {}}))
+        messages.append(("responses", f"resp-{tag}{i}", {"task_id": f"q{tag}{i}", "response": str(i + 1), "agent_id": "adder", "metadata": {"n": {"m": [i]}}}))
+        messages.append(("rewards", f"rew-{tag}{i}", {"task_id": f"q{tag}{i}", "score": 1.0, "scoring_agent_id": "checker", "metadata": {}}))
+    return messages
+
+
+def test_a_message_nested_100000_levels_is_quarantined_and_the_20_triples_behind_it_land(queues, tmp_path):
+    import pika
+
+    from flow_assets.rabbitmq.consumer import BusConsumer
+
+    deep = b'{"task_id": "q0", "response": "x", "agent_id": "a", "metadata": ' + _nested(100_000) + b"}"
+    big = json.dumps({"task_id": "q1", "response": "y" * 900_000, "agent_id": "a", "metadata": {}}).encode()
+    publish(DEFAULT_URL, [("responses", "deep-1", deep), ("rewards", "deep-2", deep.replace(b'"response": "x", "agent_id"', b'"score": 1, "scoring_agent_id"')),
+                          ("responses", "big-1", big), *_triples(20)], queues)  # fmt: skip
+    landing = tmp_path / "landing"
+    config = BusConfig(landing=landing, queue_prefix=queues, window_s=0.2, unlabelled_timeout_s=30, task_ttl_s=60, idle_exit_s=1.0, max_message_bytes=800_000)
+    stats = BusConsumer(config).run()  # the old consumer raised RecursionError here, on every restart
+    assert (stats.landed_records, stats.quarantined) == (20, 3)
+    records = [json.loads(line) for path in (landing / "bus").glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert sorted(r["interaction_id"] for r in records) == sorted(f"resp-{i}" for i in range(20)) and all(r["score"] == 1.0 for r in records)
+    quarantined = {q["message_id"]: q for q in map(json.loads, quarantine_path(landing).read_text().splitlines())}
+    assert quarantined["deep-1"]["reason"].startswith("body nests deeper than 64 levels") and quarantined["deep-1"]["queue"] == "responses"
+    assert quarantined["deep-1"]["body_text"].encode() == deep  # kept whole, to be looked at
+    assert quarantined["deep-2"]["queue"] == "rewards" and quarantined["deep-2"]["reason"].startswith("body nests deeper")
+    assert quarantined["big-1"]["reason"] == f"body is {len(big):,} bytes, over the limit of 800,000" and quarantined["big-1"]["body_text"].encode() == big
+    connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
+    try:  # the bad messages were acknowledged, not left to stop the next run
+        channel = connection.channel()
+        assert [channel.queue_declare(config.queue(k), passive=True).method.message_count for k in ("responses", "rewards")] == [0, 0]
+    finally:
+        connection.close()
+    again = BusConsumer(config).run()  # a restart: nothing new, nothing twice
+    assert (again.landed_records, again.quarantined) == (0, 0)
+
+
+# -- a tap on the bus, not a competitor (issue #25, case 10) -------------------------------------------------
+class _Agent(threading.Thread):
+    """A team's agent as deployed before flowopt came: its own durable queue ``<prefix><source>``
+    bound to the fanout exchange ``<prefix><source>``; each message is answered with
+    ``answer(body) -> (message id, reply)`` published to the exchange ``<prefix><sink>``."""
+
+    def __init__(self, prefix: str, source: str, sink: str, answer):
+        super().__init__(daemon=True)
+        self.prefix, self.source, self.sink, self.answer = prefix, source, sink, answer
+        self.received: list[str] = []
+        self.ready, self.stop, self.error = threading.Event(), threading.Event(), None
+
+    def run(self):
+        import pika
+
+        try:
+            connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
+            channel, out = connection.channel(), connection.channel()
+            for name in (self.source, self.sink):
+                channel.exchange_declare(self.prefix + name, "fanout", durable=True)
+            channel.queue_declare(self.prefix + self.source, durable=True)
+            channel.queue_bind(self.prefix + self.source, self.prefix + self.source)
+            out.confirm_delivery()
+
+            def on_message(ch, method, properties, body):
+                self.received.append(properties.message_id)
+                ident, reply = self.answer(json.loads(body))
+                props = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent, message_id=ident)
+                out.basic_publish(self.prefix + self.sink, self.sink, json.dumps(reply).encode(), properties=props)
+                ch.basic_ack(method.delivery_tag)
+
+            channel.basic_qos(prefetch_count=20)
+            channel.basic_consume(self.prefix + self.source, on_message)
+            self.ready.set()
+            while not self.stop.is_set():
+                connection.process_data_events(time_limit=0.05)
+            connection.close()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+            self.ready.set()
+
+
+def _orchestrate(prefix: str, numbers: range) -> None:
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
+    channel = connection.channel()
+    channel.confirm_delivery()
+    for i in numbers:
+        body = json.dumps({"task_id": f"q{i}", "input": f"what is {i}+1?", "metadata": {}}).encode()
+        channel.basic_publish(prefix + "tasks", "tasks", body, pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent, message_id=f"task-msg-{i}"))
+    connection.close()
+
+
+def _landed(landing: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((landing / "bus").glob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def test_flowopt_reads_copies_so_the_worker_and_scorer_get_every_message_through_a_sigkill(queues, tmp_path):
+    from flow_assets.rabbitmq.consumer import declare
+
+    def work(task):
+        return f"resp-{task['task_id']}", {"task_id": task["task_id"], "response": str(int(task["input"][8:-3]) + 1), "agent_id": "adder", "metadata": {}}
+
+    def score(response):
+        return f"rew-{response['task_id']}", {"task_id": response["task_id"], "score": 1.0, "scoring_agent_id": "checker", "metadata": {}}
+
+    worker, scorer = _Agent(queues, "tasks", "responses", work), _Agent(queues, "responses", "rewards", score)
+    for agent in (worker, scorer):
+        agent.start()
+        assert agent.ready.wait(30) and agent.error is None, agent.error
+    declare(BusConfig(queue_prefix=queues))  # `flowopt bus declare`: the taps exist before the orchestrator publishes
+    landing = tmp_path / "landing"
+    args = ("--max-records", "10", "--window-seconds", "0.2", "--unlabelled-timeout", "30", "--task-ttl", "60")
+    first = _consumer(landing, queues, *args)
+    try:
+        _orchestrate(queues, range(50))
+        deadline = time.monotonic() + 60
+        while not _landed(landing) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)  # mid-stream: at most 50 of 100 landed, messages unacknowledged
+        first.wait(timeout=30)
+        before = len(_landed(landing))
+        assert 1 <= before <= 50, first.stderr.read()[-3000:]
+        second = _consumer(landing, queues, *args)
+        _orchestrate(queues, range(50, 100))
+        deadline = time.monotonic() + 90
+        while (len({r["interaction_id"] for r in _landed(landing)}) < 100 or len(scorer.received) < 100) and time.monotonic() < deadline and second.poll() is None:
+            time.sleep(0.05)
+        second.send_signal(signal.SIGTERM)
+        out, err = second.communicate(timeout=60)
+    finally:
+        for agent in (worker, scorer):
+            agent.stop.set()
+            agent.join(timeout=10)
+        for process in (first, locals().get("second")):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert second.returncode == 0, err[-3000:]
+    assert worker.error is None and scorer.error is None
+    assert sorted(worker.received) == sorted(f"task-msg-{i}" for i in range(100))  # 100 of 100, none taken by flowopt
+    assert sorted(scorer.received) == sorted(f"resp-q{i}" for i in range(100))
+    records = _landed(landing)
+    assert len(records) == 100 and len({r["interaction_id"] for r in records}) == 100  # none twice
+    assert {r["task_id"] for r in records} == {f"q{i}" for i in range(100)} and all(r["score"] == 1.0 for r in records)
+    assert all(r["response"] == str(int(r["task_id"][1:]) + 1) and r["input"] == f"what is {r['task_id'][1:]}+1?" for r in records)
+    assert not quarantine_path(landing).exists() and json.loads(out)["landed_records"] == 100 - before
+
+
+def test_an_exchange_of_another_type_is_refused_with_its_name(queues):
+    import pika
+
+    from flow_assets.rabbitmq.consumer import BusTopologyError, declare
+
+    connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
+    connection.channel().exchange_declare(queues + "tasks", "direct", durable=True)
+    connection.close()
+    with pytest.raises(BusTopologyError, match=f"exchange '{queues}tasks': the broker refused it as a durable fanout exchange: PRECONDITION_FAILED"):
+        declare(BusConfig(queue_prefix=queues))
+    declared = declare(BusConfig(queue_prefix=queues + "t-", exchange_type="topic"))  # a team's topic exchanges: the tap binds with #
+    assert declared[0] == (f"{queues}t-tasks", f"{queues}t-flowopt.tasks")
+    connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
+    channel = connection.channel()
+    for kind in ("tasks", "responses", "rewards"):
+        channel.queue_delete(f"{queues}t-flowopt.{kind}")
+        channel.exchange_delete(f"{queues}t-{kind}")
+    connection.close()

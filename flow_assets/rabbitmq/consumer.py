@@ -1,7 +1,13 @@
 """The message-bus source: a RabbitMQ consumer that lands agent logs as files (``flowopt bus consume``).
 
-It consumes the durable queues ``tasks``, ``responses`` and ``rewards`` (with an optional name
-prefix) on one channel with ``pika``, joins them (:mod:`flow_assets.rabbitmq.joiner`) and writes
+It is a tap on the bus, not a competitor for its messages. Agents publish to three durable
+exchanges, ``tasks``, ``responses`` and ``rewards`` (fanout by default, or topic; an optional
+name prefix), and each consumer of the bus binds its own queue to them: the agent's ``tasks``
+queue, the scorer's ``responses`` queue, and flowopt's tap queues ``flowopt.tasks``,
+``flowopt.responses`` and ``flowopt.rewards`` (:func:`declare_topology`). RabbitMQ copies each
+message to every bound queue, so an agent and a scorer still receive every message while
+flowopt reads its own copies (consuming a shared queue would split its messages between the
+consumers). flowopt consumes its three tap queues on one channel with ``pika``, joins them (:mod:`flow_assets.rabbitmq.joiner`) and writes
 a batch of flat records to ``<landing>/bus/<UTC time>-<n>.jsonl`` when ``max_records`` are ready
 or ``window_s`` seconds after the first one; ``new_logs_sensor`` then makes each file a log
 batch (source ``bus``).
@@ -17,7 +23,10 @@ Delivery guarantee: at least once from the broker, exactly once into the landing
   lag behind a rename.
 - Malformed messages go to ``<landing>/.bus/quarantine.jsonl`` with the reason, queue, message
   id and raw body (text, or base64 when not UTF-8); a hidden directory, so the sensor never
-  ingests it.
+  ingests it. Bodies over ``max_message_bytes`` or nested deeper than ``max_depth`` are
+  malformed messages, and any other error while one message is read is caught around that
+  message alone: one bad message is one quarantined (and acknowledged) message, never a
+  consumer that exits and meets the same message again on every restart.
 - Messages waiting for their partner stay unacknowledged: ``prefetch`` (default 10,000) must
   exceed what can wait at once (about the message rate times ``unlabelled_timeout_s``), or the
   broker stops delivering until a timeout frees some.
@@ -36,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from flow_assets.rabbitmq.joiner import Delivery, Joiner, Output
-from flow_assets.rabbitmq.messages import QUEUES, message_id, parse_message
+from flow_assets.rabbitmq.messages import MAX_DEPTH, MAX_MESSAGE_BYTES, QUEUES, message_id, parse_message
+
+EXCHANGE_TYPES = ("fanout", "topic")
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
@@ -48,12 +59,18 @@ class BusConfig:
     Attributes:
         url: AMQP URL of the broker (``FLOWOPT_AMQP_URL``).
         landing: the landing directory; batches go to its ``bus/`` sub-directory.
-        queue_prefix: prepended to ``tasks`` / ``responses`` / ``rewards``.
+        queue_prefix: prepended to the exchange names ``tasks`` / ``responses`` / ``rewards`` and
+            to the tap queues' names.
+        tap: the tap queues are ``<queue_prefix><tap>.<kind>``.
+        exchange_type: ``fanout`` (every message to every bound queue) or ``topic`` (the tap
+            binds with ``#``, every routing key); must match an exchange that already exists.
         max_records: records per batch file.
         window_s: seconds after the first ready record that a smaller batch is landed anyway.
         unlabelled_timeout_s: seconds a response waits for its reward (joiner docstring).
         task_ttl_s: seconds a task is kept for later responses.
         prefetch: most unacknowledged messages the broker hands this consumer.
+        max_message_bytes: a larger body is quarantined unparsed.
+        max_depth: a body nested deeper (objects / arrays) is quarantined.
         idle_exit_s: exit after this many seconds with no message and nothing pending (None:
             run until SIGTERM / SIGINT).
     """
@@ -61,16 +78,77 @@ class BusConfig:
     url: str = DEFAULT_URL
     landing: Path = Path(".landing")
     queue_prefix: str = ""
+    tap: str = "flowopt"
+    exchange_type: str = "fanout"
     max_records: int = 1000
     window_s: float = 60.0
     unlabelled_timeout_s: float = 600.0
     task_ttl_s: float = 3600.0
     prefetch: int = 10_000
     idle_exit_s: float | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_depth: int = MAX_DEPTH
+
+    def exchange(self, kind: str) -> str:
+        """The exchange agents publish messages of ``kind`` to: ``<queue_prefix><kind>``."""
+        return f"{self.queue_prefix}{kind}"
 
     def queue(self, kind: str) -> str:
-        """The broker's name of queue ``kind``."""
-        return f"{self.queue_prefix}{kind}"
+        """flowopt's own tap queue for ``kind``: ``<queue_prefix><tap>.<kind>``."""
+        return f"{self.queue_prefix}{self.tap}.{kind}"
+
+
+class BusTopologyError(RuntimeError):
+    """The broker refused flowopt's exchanges or tap queues (e.g. an exchange of that name
+    already exists with another type); the message names the exchange or queue."""
+
+
+def declare_topology(channel, config: BusConfig) -> list[tuple[str, str]]:
+    """Declare, idempotently, the three durable exchanges (``config.exchange_type``) and
+    flowopt's durable tap queues, each bound to its exchange. Returns ``(exchange, tap queue)``
+    per kind. Messages published before this ran reach only the queues bound then: declare
+    first (``flowopt bus declare``), then let agents publish.
+
+    Raises:
+        ValueError: an exchange type other than fanout / topic.
+        BusTopologyError: the broker refused a declaration (the channel is closed then).
+    """
+    import pika.exceptions
+
+    if config.exchange_type not in EXCHANGE_TYPES:
+        raise ValueError(f"exchange type {config.exchange_type!r}: expected one of {', '.join(EXCHANGE_TYPES)}")
+    key = "#" if config.exchange_type == "topic" else ""  # fanout ignores the key
+    declared = []
+    for kind in QUEUES:
+        exchange, queue = config.exchange(kind), config.queue(kind)
+        try:
+            channel.exchange_declare(exchange=exchange, exchange_type=config.exchange_type, durable=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise BusTopologyError(f"exchange {exchange!r}: the broker refused it as a durable {config.exchange_type} exchange: {exc.reply_text}") from None
+        try:
+            channel.queue_declare(queue=queue, durable=True)
+            channel.queue_bind(queue=queue, exchange=exchange, routing_key=key)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise BusTopologyError(f"tap queue {queue!r} on exchange {exchange!r}: {exc.reply_text}") from None
+        declared.append((exchange, queue))
+    return declared
+
+
+def declare(config: BusConfig) -> list[tuple[str, str]]:
+    """Connect, :func:`declare_topology`, disconnect (``flowopt bus declare``).
+
+    Raises:
+        pika.exceptions.AMQPConnectionError: the broker cannot be reached.
+        BusTopologyError: see :func:`declare_topology`.
+    """
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(config.url))
+    try:
+        return declare_topology(connection.channel(), config)
+    finally:
+        if connection.is_open:
+            connection.close()
 
 
 @dataclass
@@ -132,7 +210,7 @@ def landed_ids(landing: Path) -> tuple[set[str], set[str]]:
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 bus = json.loads(line)["metadata"]["bus"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue
             ids.update(v for k, v in bus.items() if k in ("response_message_id", "reward_message_id") and isinstance(v, str))
             if isinstance(bus.get("task_message_id"), str):
@@ -142,7 +220,7 @@ def landed_ids(landing: Path) -> tuple[set[str], set[str]]:
         for line in quarantine.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 entry = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(entry, dict) and entry.get("queue") != "tasks" and isinstance(entry.get("message_id"), str):
                 ids.add(entry["message_id"])
@@ -170,11 +248,16 @@ class BusConsumer:
         def callback(channel, method, properties, body: bytes) -> None:
             self.stats.received += 1
             ident = message_id(body, getattr(properties, "message_id", None))
-            message, reason = parse_message(kind, body)
+            try:
+                message, reason = parse_message(kind, body, self.config.max_message_bytes, self.config.max_depth)
+                acks = [] if message is None else self.joiner.add(Delivery(kind, method.delivery_tag, ident, message, self.clock()))
+            except Exception as exc:  # noqa: BLE001 - around this one message only, never the connection
+                message, reason = None, f"cannot be read: {type(exc).__name__}: {exc}"
             if message is None:
+                # a failure to write the quarantine is not the message's fault: it propagates, unacknowledged
                 self._quarantine([(self._raw_entry(kind, ident, body, reason), method.delivery_tag)])
                 return
-            for tag in self.joiner.add(Delivery(kind, method.delivery_tag, ident, message, self.clock())):
+            for tag in acks:
                 channel.basic_ack(tag)
 
         return callback
@@ -242,8 +325,8 @@ class BusConsumer:
         connection = pika.BlockingConnection(params)
         self.channel = channel = connection.channel()
         channel.basic_qos(prefetch_count=self.config.prefetch)
+        declare_topology(channel, self.config)
         for kind in QUEUES:
-            channel.queue_declare(queue=self.config.queue(kind), durable=True)
             channel.basic_consume(queue=self.config.queue(kind), on_message_callback=self._on_message(kind))
 
         def stop(signum, frame):
@@ -275,12 +358,16 @@ class BusConsumer:
         return self.stats
 
 
-def publish(url: str, messages: list[tuple[str, str, dict[str, Any] | bytes]], queue_prefix: str = "") -> int:
-    """Publish ``(queue kind, message id, body)`` messages, persistent, with their message id;
-    a body that is bytes is sent as it is (to test quarantine). Returns how many were sent.
+def publish(url: str, messages: list[tuple[str, str, dict[str, Any] | bytes]], queue_prefix: str = "", config: BusConfig | None = None) -> int:
+    """Publish ``(kind, message id, body)`` messages to the exchange of their kind, as an agent
+    does: persistent, with their message id, routing key ``kind``; a body that is bytes is sent
+    as it is (to test quarantine). The topology (``config``, else the defaults with
+    ``queue_prefix``) is declared first, so flowopt's tap queues get a copy even before
+    ``flowopt bus consume`` first ran. Returns how many were sent, each confirmed by the broker.
 
     Raises:
-        ValueError: an unknown queue kind.
+        ValueError: an unknown kind.
+        BusTopologyError: see :func:`declare_topology`.
         pika.exceptions.AMQPConnectionError: the broker cannot be reached.
     """
     import pika
@@ -288,15 +375,15 @@ def publish(url: str, messages: list[tuple[str, str, dict[str, Any] | bytes]], q
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
+        config = config or BusConfig(url=url, queue_prefix=queue_prefix)
+        declare_topology(channel, config)
         channel.confirm_delivery()  # each publish returns once the broker has it
-        for kind in QUEUES:
-            channel.queue_declare(queue=f"{queue_prefix}{kind}", durable=True)
         for kind, ident, body in messages:
             if kind not in QUEUES:
                 raise ValueError(f"unknown queue {kind!r} (expected one of {', '.join(QUEUES)})")
             payload = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
             channel.basic_publish(
-                exchange="", routing_key=f"{queue_prefix}{kind}", body=payload,
+                exchange=config.exchange(kind), routing_key=kind, body=payload,
                 properties=pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent, message_id=ident, content_type="application/json"),
             )  # fmt: skip
     finally:

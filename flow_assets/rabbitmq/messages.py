@@ -6,20 +6,28 @@
 - ``rewards``: ``{task_id, score, scoring_agent_id, metadata}`` (+ optional ``adapter_version``)
 
 A message that is not UTF-8 JSON, not an object, or does not validate is never dropped: the
-consumer quarantines it with the reason this module gives (naming the field).
+consumer quarantines it with the reason this module gives (naming the field). So is one larger
+than ``max_bytes`` or nested deeper than ``max_depth``: parsing is bounded (orjson stops at 1,024
+levels, an iterative walk enforces the tighter limit), so no message can raise ``RecursionError``
+here or later when its record is written.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
+
+import orjson
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow_assets.logs.schema import FiniteFloat
 
 QUEUES = ("tasks", "responses", "rewards")
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""Default cap on a message body (bytes): a larger one is quarantined unparsed."""
+MAX_DEPTH = 64
+"""Default cap on a body's nesting (objects and arrays, the body itself is level 1)."""
 
 
 class TaskMessage(BaseModel):
@@ -70,22 +78,48 @@ def message_id(body: bytes, property_id: str | None) -> str:
     return property_id if property_id else "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-def parse_message(queue: str, body: bytes) -> tuple[BaseModel | None, str | None]:
+def nesting_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests objects / arrays deeper than ``limit`` levels (a
+    scalar is level 0, ``{}`` level 1). Iterative, so any depth is safe to check."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def parse_message(queue: str, body: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_DEPTH) -> tuple[BaseModel | None, str | None]:
     """``(message, None)``, or ``(None, reason)`` with the reason naming the field, e.g.
-    ``score: Input should be a finite number``."""
+    ``score: Input should be a finite number``. Never raises on any body: a body over
+    ``max_bytes`` (bytes) or nested deeper than ``max_depth`` levels is a reason like any other.
+    JSON is read strictly (orjson: no ``NaN``, no integers beyond 64 bits)."""
     model = MODELS.get(queue)
     if model is None:
         return None, f"unknown queue {queue!r} (expected one of {', '.join(QUEUES)})"
+    if len(body) > max_bytes:
+        return None, f"body is {len(body):,} bytes, over the limit of {max_bytes:,}"
     try:
-        text = body.decode("utf-8")
+        body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, f"body is not UTF-8 (byte {exc.start})"
     try:
-        obj = json.loads(text)
-    except ValueError as exc:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):  # orjson's own bound, 1,024 levels
+            return None, f"body nests deeper than {max_depth} levels ({exc})"
         return None, f"body is not JSON: {exc}"
     if not isinstance(obj, dict):
         return None, f"body is a JSON {type(obj).__name__}, not an object"
+    if nesting_depth_exceeds(obj, max_depth):
+        return None, f"body nests deeper than {max_depth} levels"
     try:
         return model.model_validate(obj), None
     except ValidationError as exc:
