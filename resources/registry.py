@@ -24,13 +24,115 @@ from typing import Any, Iterator
 
 from dagster import ConfigurableResource
 from filelock import FileLock
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow_assets.atomic import write_json_atomic
+
+#: files that make a directory a PEFT LoRA adapter: the config and one of the weight files
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: history actions that make their version the champion
+_CHAMPION_ACTIONS = ("register", "promote", "rollback")
 
 
 class RegistryError(RuntimeError):
     """The registry cannot do what was asked (e.g. roll back with no previous champion)."""
+
+
+def adapter_problem(adapter_path: str | os.PathLike) -> str | None:
+    """Why ``adapter_path`` is not a LoRA adapter directory that can serve, or ``None``: it must
+    be a directory holding :data:`ADAPTER_CONFIG` and one of :data:`ADAPTER_WEIGHTS`, non-empty."""
+    path = Path(adapter_path)
+    if not path.is_dir():
+        return f"its adapter {path} is gone" if not path.exists() else f"its adapter {path} is not a directory"
+    if not (path / ADAPTER_CONFIG).is_file():
+        return f"its adapter directory {path} has no {ADAPTER_CONFIG}"
+    weights = [path / name for name in ADAPTER_WEIGHTS if (path / name).is_file()]
+    if not weights:
+        return f"its adapter directory {path} has no {' or '.join(ADAPTER_WEIGHTS)}"
+    if all(w.stat().st_size == 0 for w in weights):
+        return f"its adapter weights {weights[0]} are empty"
+    return None
+
+
+class _Entry(BaseModel):
+    """A champion entry as registry.json keeps it (strict: a number is not a version)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    version: str
+    adapter_path: str
+    metrics: dict[str, Any]
+
+
+class _Event(BaseModel):
+    """One history event as registry.json and the event files keep it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    action: str
+    version: str
+    previous: str | None = None
+    adapter_path: str
+    metrics: dict[str, Any] = {}
+
+
+class _Challenger(_Entry):
+    share: float
+    champion: str
+
+
+class _Candidate(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    adapter_path: str
+
+
+class _Content(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    champion: _Entry | None
+    history: list[_Event]
+    challenger: _Challenger | None = None
+    candidate: _Candidate | None = None
+
+
+def _first_error(error: ValidationError) -> str:
+    """The first problem pydantic found, as ``field.path: message`` on one line."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the document"
+    got = first.get("input")
+    shown = f" (got {type(got).__name__} {str(got)[:40]!r})" if first["type"] != "missing" and not isinstance(got, dict) else ""
+    return f"{where}: {first['msg'].lower()}{shown}"
+
+
+def content_problem(content: Any) -> str | None:
+    """Why ``content`` (registry.json, decoded) is not a registry, in one line, or ``None``:
+    a JSON object with ``champion`` (an entry with string ``version`` and ``adapter_path`` and a
+    ``metrics`` object, or null) and a ``history`` list of events (string ``action``,
+    ``version``, ``adapter_path``), whose last register/promote/rollback names the champion."""
+    if not isinstance(content, dict):
+        return f"a JSON {type(content).__name__}, not an object with \"champion\" and \"history\""
+    try:
+        checked = _Content.model_validate(content)
+    except ValidationError as error:
+        return _first_error(error)
+    made = [e for e in checked.history if e.action in _CHAMPION_ACTIONS]
+    if checked.champion is not None and made and made[-1].version != checked.champion.version:
+        return (f"champion.version {checked.champion.version!r} points nowhere: the history's last "
+                f"{made[-1].action} made {made[-1].version!r} the champion")  # fmt: skip
+    if checked.champion is not None and not made:
+        return f"champion.version {checked.champion.version!r} points nowhere: no history event made it the champion"
+    return None
+
+
+def _undecodable(data: bytes) -> str | None:
+    """Why ``data`` cannot be JSON text at all (empty, binary, not UTF-8), or ``None``."""
+    if not data.strip():
+        return "an empty file"
+    if data[:4] == b"PAR1" or b"\x00" in data[:4096]:
+        return f"binary content, not JSON (it starts {data[:8]!r})"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
+    return None
 
 
 def _empty() -> dict[str, Any]:
@@ -69,17 +171,25 @@ class AdapterRegistry(ConfigurableResource):
         """The registry content (``{"champion": {...} | None, "history": [...]}``).
 
         Raises:
-            RegistryError: ``registry.json`` is not a registry (truncated, not JSON, not an object
-                with ``champion`` and ``history``, a directory); the message says how to rebuild it.
+            RegistryError: ``registry.json`` is not a registry (empty, truncated, binary, not UTF-8,
+                not JSON, not an object, a field missing or of the wrong type, a champion that no
+                history event made, a directory: :func:`content_problem`); one line naming the
+                file and what is wrong, and how to rebuild it.
         """
         if not self.path.exists():
             return _empty()
         try:
-            content = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise self._damaged(str(getattr(error, "strerror", None) or error)) from None
-        if not isinstance(content, dict) or not isinstance(content.get("history"), list) or "champion" not in content:
-            raise self._damaged(f"a JSON {type(content).__name__} without \"champion\" and a \"history\" list")
+            data = self.path.read_bytes()
+        except OSError as error:
+            raise self._damaged(str(error.strerror or error)) from None
+        if why := _undecodable(data):
+            raise self._damaged(why)
+        try:
+            content = json.loads(data)
+        except (ValueError, RecursionError) as error:
+            raise self._damaged(f"not JSON: {error}") from None
+        if why := content_problem(content):
+            raise self._damaged(why)
         return content
 
     def _damaged(self, why: str) -> RegistryError:
@@ -115,8 +225,13 @@ class AdapterRegistry(ConfigurableResource):
             content = _empty()
             for file in files:
                 try:
-                    event = json.loads(file.read_text())
-                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                    event = json.loads(file.read_bytes())
+                    if not isinstance(event, dict):
+                        raise ValueError(f"a JSON {type(event).__name__}, not an object")
+                    _Event.model_validate(event)
+                except ValidationError as error:
+                    raise RegistryError(f"{file}: unreadable history event ({_first_error(error)})") from None
+                except (OSError, ValueError, RecursionError) as error:
                     raise RegistryError(f"{file}: unreadable history event ({error})") from None
                 content["history"].append(event)
                 action = event.get("action")
@@ -207,7 +322,8 @@ class AdapterRegistry(ConfigurableResource):
             The champion entry after the decision.
 
         Raises:
-            RegistryError: no challenger, an unknown decision, or the champion changed since the
+            RegistryError: no challenger, an unknown decision, a promotion of a challenger whose
+                adapter directory lacks its files (:func:`adapter_problem`), or the champion changed since the
                 challenger started (someone promoted or rolled back by hand: the A/B compared
                 against another adapter, so its verdict no longer applies).
         """
@@ -224,6 +340,8 @@ class AdapterRegistry(ConfigurableResource):
                     f"{self.path}: the champion is {champion and champion['version']}, not {challenger['champion']} "
                     f"that {challenger['version']} was tested against; conclude by hand (flowopt promote / rollback)"
                 )
+            if decision == "promote" and (why := adapter_problem(challenger["adapter_path"])):
+                raise RegistryError(f"{self.path}: cannot promote {challenger['version']}: {why}; champion stays {champion['version']}")
             del content["challenger"]
             metrics = {**challenger["metrics"], **({"live_ab": evidence} if evidence else {})}
             if decision == "promote":
@@ -274,7 +392,8 @@ class AdapterRegistry(ConfigurableResource):
 
         Raises:
             RegistryError: there is no champion, the champion has no predecessor, or the
-                predecessor's adapter directory is gone (nothing changes then).
+                predecessor's adapter directory is gone or lacks its adapter files
+                (:func:`adapter_problem`; nothing changes then).
         """
         with self._locked():
             return self._rollback(self.load(), by, reason)
@@ -290,11 +409,12 @@ class AdapterRegistry(ConfigurableResource):
         prev_version = made_by["previous"] if made_by else None
         if prev_version is None:
             raise RegistryError(f"{self.path}: champion {current['version']} has no previous champion")
-        prev = next(e for e in reversed(content["history"]) if e["version"] == prev_version and e["action"] in ("register", "promote"))
-        if not Path(prev["adapter_path"]).exists():
-            raise RegistryError(
-                f"{self.path}: cannot roll back to {prev_version}: its adapter {prev['adapter_path']} is gone; champion stays {current['version']}"
-            )
+        prev = next((e for e in reversed(content["history"]) if e["version"] == prev_version and e["action"] in ("register", "promote")), None)
+        if prev is None:
+            raise RegistryError(f"{self.path}: champion {current['version']} names {prev_version!r} as its previous champion, "
+                                "which no register or promote event in the history made")  # fmt: skip
+        if why := adapter_problem(prev["adapter_path"]):
+            raise RegistryError(f"{self.path}: cannot roll back to {prev_version}: {why}; champion stays {current['version']}")
         return self._promote(
             content,
             prev_version,

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,11 +12,15 @@ import time
 import pytest
 
 from resources.registry import AdapterRegistry, RegistryError
+from tests.conftest import run_cli
 
 
 def _adapters(root, *versions):
+    """Adapter directories as PEFT writes them (config and weights), one per version."""
     for v in versions:
         (root / "adapters" / v).mkdir(parents=True)
+        (root / "adapters" / v / "adapter_config.json").write_text("{}")
+        (root / "adapters" / v / "adapter_model.safetensors").write_bytes(b"weights")
     return {v: str(root / "adapters" / v) for v in versions}
 
 
@@ -141,7 +147,86 @@ def test_rollback_refuses_a_target_whose_adapter_is_gone(tmp_path):
     a = _adapters(tmp_path, "v0", "v1")
     reg.promote("v0", a["v0"], {}, by="t", reason="base")
     reg.promote("v1", a["v1"], {}, by="t", reason="round 1")
-    os.rmdir(a["v0"])
+    shutil.rmtree(a["v0"])
     cli = subprocess.run([sys.executable, "-m", "flow_assets.cli", "rollback", "--models", str(tmp_path)], capture_output=True, text=True)
     assert cli.returncode == 1 and "its adapter" in cli.stderr and "is gone" in cli.stderr
     assert reg.champion()["version"] == "v1" and len(reg.load()["history"]) == 2
+
+
+def _two_champions(tmp_path) -> AdapterRegistry:
+    reg = AdapterRegistry(root=str(tmp_path))
+    a = _adapters(tmp_path, "v0", "v1")
+    reg.promote("v0", a["v0"], {}, by="t", reason="base", action="register")
+    reg.promote("v1", a["v1"], {"success": 0.5}, by="t", reason="round 1")
+    return reg
+
+
+def _corrupt(text: str, shape: str) -> bytes:
+    good = json.loads(text)
+    if shape == "wrong types":
+        return json.dumps({**good, "history": [1, "promote"]}).encode()
+    if shape == "missing keys":
+        return json.dumps({**good, "history": [{k: v for k, v in e.items() if k != "version"} for e in good["history"]]}).encode()
+    if shape == "version pointing nowhere":
+        return json.dumps({**good, "champion": {**good["champion"], "version": "v9"}}).encode()
+    return {
+        "empty": b"",
+        "truncated": text.encode()[:40],
+        "array": b"[]",
+        "parquet": b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00PAR1",
+        "not utf-8": b'{"champion": "\xff\xfe", "history": []}',
+    }[shape]
+
+
+SHAPES = ["empty", "truncated", "array", "wrong types", "missing keys", "parquet", "version pointing nowhere", "not utf-8"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_corruption_shape_is_one_line_naming_the_file_on_every_command(tmp_path, shape):
+    reg = _two_champions(tmp_path)
+    good = reg.load()
+    damaged = _corrupt(reg.path.read_text(), shape)
+    reg.path.write_bytes(damaged)
+    for command in (["rollback"], ["promote"], ["registry", "show"]):
+        rc, out, err = run_cli([*command, "--models", tmp_path])
+        # "wrong types" and "missing keys" raised TypeError / KeyError from rollback before
+        assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (command, err)
+        assert str(reg.path) in err and "flowopt registry rebuild" in err and out == "", (command, err)
+    assert reg.path.read_bytes() == damaged  # nothing wrote over it
+    rc, out, err = run_cli(["registry", "rebuild", "--models", tmp_path])
+    assert rc == 0 and reg.load() == good, err
+    rc, out, _ = run_cli(["registry", "show", "--models", tmp_path])
+    assert rc == 0 and json.loads(out)["champion"]["version"] == "v1"
+
+
+def test_the_messages_say_what_is_wrong(tmp_path):
+    reg = _two_champions(tmp_path)
+    text = reg.path.read_text()
+    expected = {"empty": "an empty file", "parquet": "binary content", "not utf-8": "not UTF-8 text (byte 0xff",
+                "wrong types": "history.0: input should be a valid dictionary", "missing keys": "history.0.version: field required",
+                "version pointing nowhere": "champion.version 'v9' points nowhere", "array": "a JSON list"}  # fmt: skip
+    for shape, why in expected.items():
+        reg.path.write_bytes(_corrupt(text, shape))
+        with pytest.raises(RegistryError, match=re.escape(why)):
+            reg.load()
+
+
+def test_rollback_and_promote_refuse_an_adapter_directory_without_its_adapter_files(tmp_path):
+    reg = _two_champions(tmp_path)
+    v0 = tmp_path / "adapters" / "v0"
+    shutil.rmtree(v0)
+    v0.mkdir()  # empty: the old check (the path exists) rolled back to it
+    rc, _, err = run_cli(["rollback", "--models", tmp_path])
+    assert rc == 1 and "has no adapter_config.json" in err and reg.champion()["version"] == "v1"
+    (v0 / "adapter_config.json").write_text("{}")
+    rc, _, err = run_cli(["rollback", "--models", tmp_path])
+    assert rc == 1 and "has no adapter_model.safetensors or adapter_model.bin" in err and len(reg.load()["history"]) == 2
+    (v0 / "adapter_model.bin").write_bytes(b"w")
+    rc, out, err = run_cli(["rollback", "--models", tmp_path])
+    assert rc == 0 and json.loads(out)["champion"] == "v0", err
+    # a challenger whose directory is empty is not promoted; the champion stays
+    (tmp_path / "adapters" / "v2").mkdir()
+    reg.start_challenger("v2", str(tmp_path / "adapters" / "v2"), {}, 0.5, by="t", reason="trial")
+    rc, _, err = run_cli(["promote", "--models", tmp_path])
+    assert rc == 1 and "cannot promote v2" in err and "has no adapter_config.json" in err
+    assert reg.champion()["version"] == "v0" and reg.challenger()["version"] == "v2"
