@@ -207,6 +207,19 @@ def _registry_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registry_show(args: argparse.Namespace) -> int:
+    from resources.registry import AdapterRegistry, RegistryError
+
+    registry = AdapterRegistry(root=args.models)
+    try:
+        content = registry.load()
+    except RegistryError as exc:
+        print(f"flowopt registry show: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: content.get(k) for k in ("champion", "challenger", "candidate")} | {"events": len(content["history"])}, indent=2))
+    return 0
+
+
 def _bus_config(args: argparse.Namespace):
     from flow_assets.rabbitmq.consumer import DEFAULT_URL, BusConfig
 
@@ -494,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     rebuild = registry_sub.add_parser("rebuild", help="rebuild a damaged registry.json from its history event files")
     rebuild.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
     rebuild.set_defaults(fn=_registry_rebuild)
+    show_registry = registry_sub.add_parser("show", help="champion, challenger, candidate and the number of events (exit 1: registry.json damaged)")
+    show_registry.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    show_registry.set_defaults(fn=_registry_show)
     bus = sub.add_parser("bus", help="the RabbitMQ message-bus source: tasks, responses and rewards landed as log batches")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)
     bus_help = {
@@ -538,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     api.add_argument("--dagster-url", default=os.environ.get("FLOWOPT_DAGSTER_URL", "http://127.0.0.1:3000"),
                      help="the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else http://127.0.0.1:3000)")  # fmt: skip
     api.add_argument("--home", default=None, help="DAGSTER_HOME of the instance (default $DAGSTER_HOME)")
-    api.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body; larger is HTTP 413 (default 4 MiB)")
+    api.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body, MiB (default 4; larger: 413), as flowopt serve's")
     api.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=30.0, help="seconds to receive a request body; slower is HTTP 408 (default 30)")
     api.add_argument("--max-batch", type=int, default=100, help="most calls in one JSON-RPC batch; more is refused whole, -32600 (default 100)")
     api.set_defaults(fn=_api)
