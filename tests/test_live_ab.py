@@ -19,6 +19,9 @@ def _registry_with_v1(tmp_path) -> AdapterRegistry:
     registry = AdapterRegistry(root=str(tmp_path / "models"))
     for version in ("v0", "v1", "v2"):
         (tmp_path / "models" / version).mkdir(parents=True)
+        # what PEFT writes: rollback and promotion refuse a directory without these
+        (tmp_path / "models" / version / "adapter_config.json").write_text("{}")
+        (tmp_path / "models" / version / "adapter_model.safetensors").write_bytes(b"weights")
     registry.promote("v0", str(tmp_path / "models" / "v0"), {}, by="test", reason="base", action="register")
     registry.promote("v1", str(tmp_path / "models" / "v1"), {}, by="test", reason="round 1")
     return registry
