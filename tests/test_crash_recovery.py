@@ -100,3 +100,42 @@ def test_concurrent_first_ingests_share_one_new_instance(tmp_path):
     assert [r.status for r in tau_runs] == [DagsterRunStatus.SUCCESS]  # the same bytes ran once
     lake = TrajectoryLake(root=str(tmp_path / "lake"))
     assert lake.read_partition("trajectories", rows[0]["partition_key"]).height == 200
+
+
+POOL_OWNER = """
+import sys, time
+from flow_assets.logs.chunks import ordered_map
+if __name__ == "__main__":
+    for _ in ordered_map(time.sleep, [600.0] * 8, int(sys.argv[1])):  # workers busy, as in a long parse
+        pass
+"""
+
+
+def test_a_parse_pool_dies_with_its_owner_killed_by_sigkill(tmp_path):
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(POOL_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script), "2"], cwd=Path(__file__).parents[1])
+    family: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the fork server and its two workers share the fork server's command line
+            family = psutil.Process(owner.pid).children(recursive=True)
+            forked = [p for p in family if "forkserver" in " ".join(p.cmdline())]
+            if len(forked) >= 3:
+                break
+            assert owner.poll() is None and time.monotonic() < deadline, "the pool never started"
+            time.sleep(0.05)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        # before: the workers blocked on their queue for good (found alive 41 minutes later)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        owner.kill()
+        for p in family:  # left only when the test failed: the processes it started, by pid
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -37,6 +37,7 @@ from flow_assets.logs.formats.common import (
 from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
 from flow_assets.logs.records import UnreadableLogError
 from flow_assets.logs.tables import CHUNK_BYTES, CHUNK_RECORDS, RecordChunk, chunk_records, valid_records_frame
+from flow_assets.worker_lifetime import die_with_parent
 
 #: ``workers=0`` (auto) uses worker processes only for a file at least this large (bytes): below
 #: it, starting them costs more than they save.
@@ -81,7 +82,8 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], workers: int) ->
         concurrent.futures.process.BrokenProcessPool: a worker died (killed, out of memory).
     """
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    # workers die with this process: a kill -9 mid-parse leaves no orphan holding its memory
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         in_flight: deque[tuple[T, Future]] = deque()
         try:
             for item in items:
