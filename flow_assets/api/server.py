@@ -112,7 +112,7 @@ async def read_body(request: Request, limits: Limits) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise _BodyRefused(400, "Content-Length is not a number")
         if int(declared) > limits.max_body_bytes:
             raise _BodyRefused(413, f"the body of {int(declared)} bytes exceeds this server's limit of {limits.max_body_bytes} bytes")
