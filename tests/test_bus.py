@@ -175,7 +175,7 @@ def test_a_consumer_killed_mid_stream_and_restarted_lands_every_record_exactly_o
     os.kill(first.pid, signal.SIGKILL)  # mid-stream: some batches landed, some messages unacknowledged
     first.wait(timeout=30)
     before = sum(len(p.read_text().splitlines()) for p in (landing / "bus").glob("*.jsonl"))
-    assert 1 <= before < n  # killed mid-stream
+    assert 1 <= before < n, first.stderr.read()[-3000:]  # killed mid-stream
     second = _consumer(landing, queues, "--idle-exit", "8")
     out, err = second.communicate(timeout=180)
     assert second.returncode == 0, err[-3000:]
@@ -349,6 +349,7 @@ def test_flowopt_reads_copies_so_the_worker_and_scorer_get_every_message_through
         deadline = time.monotonic() + 90
         while (len({r["interaction_id"] for r in _landed(landing)}) < 100 or len(scorer.received) < 100) and time.monotonic() < deadline and second.poll() is None:
             time.sleep(0.05)
+        while_running = (len(worker.received), len(scorer.received))  # not only once flowopt stops and its unacknowledged messages go back
         second.send_signal(signal.SIGTERM)
         out, err = second.communicate(timeout=60)
     finally:
@@ -360,6 +361,7 @@ def test_flowopt_reads_copies_so_the_worker_and_scorer_get_every_message_through
                 process.kill()
     assert second.returncode == 0, err[-3000:]
     assert worker.error is None and scorer.error is None
+    assert while_running == (100, 100)  # the consumer of a shared queue left the worker 50 and the scorer 25 of 100
     assert sorted(worker.received) == sorted(f"task-msg-{i}" for i in range(100))  # 100 of 100, none taken by flowopt
     assert sorted(scorer.received) == sorted(f"resp-q{i}" for i in range(100))
     records = _landed(landing)
