@@ -269,7 +269,9 @@ def _bus_consume(args: argparse.Namespace) -> int:
 
 
 def _bus_publish(args: argparse.Namespace) -> int:
-    from flow_assets.rabbitmq.consumer import publish
+    import pika.exceptions
+
+    from flow_assets.rabbitmq.consumer import BusTopologyError, publish
 
     config = _bus_config(args)
     messages = []
@@ -282,7 +284,11 @@ def _bus_publish(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError) as exc:
             print(f"flowopt bus publish: {args.file}, line {number}: expected {{\"queue\", \"message_id\", \"body\"}}: {exc!r}", file=sys.stderr)
             return 2
-    sent = publish(config.url, messages, config=config)
+    try:
+        sent = publish(config.url, messages, config=config)
+    except (ValueError, BusTopologyError, pika.exceptions.AMQPConnectionError) as exc:
+        print(f"flowopt bus publish: {args.file}: {exc!r}", file=sys.stderr)
+        return 1
     print(json.dumps({"published": sent}))
     return 0
 

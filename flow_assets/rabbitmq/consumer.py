@@ -372,6 +372,9 @@ def publish(url: str, messages: list[tuple[str, str, dict[str, Any] | bytes]], q
     """
     import pika
 
+    unknown = sorted({kind for kind, _, _ in messages if kind not in QUEUES})
+    if unknown:  # before anything is sent: all or none
+        raise ValueError(f"unknown queue {unknown[0]!r} (expected one of {', '.join(QUEUES)})")
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
@@ -379,8 +382,6 @@ def publish(url: str, messages: list[tuple[str, str, dict[str, Any] | bytes]], q
         declare_topology(channel, config)
         channel.confirm_delivery()  # each publish returns once the broker has it
         for kind, ident, body in messages:
-            if kind not in QUEUES:
-                raise ValueError(f"unknown queue {kind!r} (expected one of {', '.join(QUEUES)})")
             payload = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
             channel.basic_publish(
                 exchange=config.exchange(kind), routing_key=kind, body=payload,
