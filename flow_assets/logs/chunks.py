@@ -29,10 +29,13 @@ from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     READ_ERRORS,
     Books,
+    OVERSIZED_HEAD_BYTES,
     LineConverter,
     RecordError,
     open_log,
+    oversized_error,
     read_line,
+    record_guard,
 )
 from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
 from flow_assets.logs.records import UnreadableLogError
@@ -165,32 +168,54 @@ def read_chunks(
             max_record_bytes=max_record_bytes,
             max_records=max_records,
         )
-        chunks = _parallel_chunks(path, books, work, workers, min(max_bytes, PARALLEL_BLOCK_BYTES))
+        chunks = _parallel_chunks(path, books, work, workers, min(max_bytes, PARALLEL_BLOCK_BYTES), max_record_bytes)
         return ChunkStream(resolved, chunks, lambda: books.records_read)
     stream = stream_file(path, "auto" if resolved == BLANK else resolved, max_record_bytes=max_record_bytes)
     return ChunkStream(stream.format, chunk_records(stream, max_records, max_bytes), lambda: stream.records_read)
 
 
-def file_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """``(number of its first line, block)``: the file cut into blocks of about ``block_bytes``
-    bytes that end at a line end (or at the file's end); a line longer than a block is never cut.
+Block = tuple[int, bytes] | tuple[int, bytes, int]
+"""What :func:`file_blocks` yields: ``(number of its first line, whole lines)``, or for one line
+over the record limit ``(its number, its first bytes, its size)``."""
+
+
+def file_blocks(path: Path, block_bytes: int, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Block]:
+    """The file cut into blocks of about ``block_bytes`` bytes that end at a line end (or at the
+    file's end), each ``(number of its first line, block)``; a line longer than a block is never
+    cut. A line longer than ``max_record_bytes`` (+ 2 for its line end) is never held whole: it
+    is read through and yielded alone as ``(its number, its first OVERSIZED_HEAD_BYTES bytes,
+    its size without the final \\n)``.
 
     Raises:
         UnreadableLogError: the file cannot be opened or read.
     """
+    limit = max_record_bytes + 2
     with open_log(path, buffering=0) as handle:
         first_line, carry = 1, b""
+        oversized: list | None = None  # [head, size] of the line being read through
         try:
             while data := handle.read(block_bytes):
+                if oversized is not None:
+                    end = data.find(b"\n")
+                    if end < 0:
+                        oversized[1] += len(data)
+                        continue
+                    cr = 1 if data[end - 1 : end] == b"\r" else 0  # a \r\n line end is no part of the size
+                    yield first_line, oversized[0], oversized[1] + end - cr
+                    first_line, oversized, data = first_line + 1, None, data[end + 1 :]
                 data = carry + data if carry else data
                 cut = data.rfind(b"\n") + 1
                 block, carry = data[:cut], data[cut:]
                 if block:
                     yield first_line, block
                     first_line += block.count(b"\n")
+                if len(carry) > limit:  # the unfinished line is already over the limit
+                    oversized, carry = [carry[:OVERSIZED_HEAD_BYTES], len(carry)], b""
         except READ_ERRORS as error:
             raise UnreadableLogError(str(path), f"read failed: {error}") from None
-        if carry:
+        if oversized is not None:
+            yield first_line, oversized[0], oversized[1]
+        elif carry:
             yield first_line, carry
 
 
@@ -223,11 +248,15 @@ _WORKER_COLUMNS = {
 
 
 def canonicalise_block(
-    block: tuple[int, bytes], convert: LineConverter, max_record_bytes: int, max_records: int
+    block: Block, convert: LineConverter, max_record_bytes: int, max_records: int
 ) -> BlockResult:
-    """Worker side: decode, validate and serialise every record of a ``(first line, bytes)``
-    block (see :data:`BlockResult`). Duplicate ids are not checked here (a worker sees one
-    block); the reading process does that, in file order."""
+    """Worker side: decode, validate and serialise every record of a :data:`Block` (see
+    :data:`BlockResult`). Duplicate ids are not checked here (a worker sees one block); the
+    reading process does that, in file order."""
+    if len(block) == 3:  # one oversized line, already read through
+        line_no, head, size = block
+        error = oversized_error(size, max_record_bytes, len(head))
+        return 1, [(pl.DataFrame([], schema=_WORKER_COLUMNS, orient="row"), [(line_no, None, error.reason, head)])]
     first_line, data = block
     records = 0
     chunks: list[tuple[pl.DataFrame, list[Quarantined]]] = []
@@ -236,11 +265,19 @@ def canonicalise_block(
     for line_no, line in block_lines(data, first_line):
         records += 1
         try:
-            t = read_line(line, line_no, convert, max_record_bytes)
+            try:
+                t = read_line(line, line_no, convert, max_record_bytes)
+                row = (line_no, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json())
+            except RecursionError as deep:
+                raise record_guard(deep) from None
+            except (ValueError, UnicodeError) as error:  # model_dump_json: as Books.accept refuses it
+                if isinstance(error, RecordError):
+                    raise
+                raise RecordError(f"record cannot be stored as canonical JSON: {str(error).splitlines()[0][:200]}") from None
         except RecordError as error:
             quarantined.append((line_no, error.field, error.reason, line.rstrip(b"\r\n")))
         else:
-            rows.append((line_no, t.trajectory_id, t.task_id, t.agent_id, t.model_dump_json()))
+            rows.append(row)
         if len(rows) + len(quarantined) >= max_records:
             chunks.append((pl.DataFrame(rows, schema=_WORKER_COLUMNS, orient="row"), quarantined))
             rows, quarantined = [], []
@@ -280,9 +317,14 @@ def _settle(books: Books, block: tuple[int, bytes], valid: pl.DataFrame, bad: li
 
 
 def _parallel_chunks(
-    path: Path, books: Books, work: Callable[[tuple[int, bytes]], BlockResult], workers: int, block_bytes: int
+    path: Path,
+    books: Books,
+    work: Callable[[Block], BlockResult],
+    workers: int,
+    block_bytes: int,
+    max_record_bytes: int,
 ) -> Iterator[RecordChunk]:
-    for block, (records, chunks) in ordered_map(work, file_blocks(path, block_bytes), workers):
+    for block, (records, chunks) in ordered_map(work, file_blocks(path, block_bytes, max_record_bytes), workers):
         books.records_read += records
         for valid, bad in chunks:
             yield _settle(books, block, valid, bad)

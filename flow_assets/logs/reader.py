@@ -22,6 +22,7 @@ from flow_assets.logs.formats.common import (
     DEFAULT_MAX_RECORD_BYTES,
     READ_ERRORS,
     LineConverter,
+    bounded_lines,
     RecordStream,
     empty_stream,
     load_document,
@@ -98,8 +99,8 @@ def _head_lines(path: Path) -> list[bytes]:
     lines: list[bytes] = []
     with open_log(path) as handle:
         try:
-            for line in handle:
-                if line.strip() and len(line) <= _SNIFF_LINE_BYTES:
+            for line, oversized in bounded_lines(handle, _SNIFF_LINE_BYTES):
+                if oversized is None and line.strip() and len(line) <= _SNIFF_LINE_BYTES:
                     lines.append(line.strip())
                     if len(lines) >= _SNIFF_LINES:
                         break

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from flow_assets.logs.records import ParseResult, QuarantinedRecord, UnreadableL
 from flow_assets.logs.schema import Trajectory
 
 DEFAULT_MAX_RECORD_BYTES = 16 * 2**20
+MAX_DEPTH = 255
+"""Deepest nesting of a record that is stored (orjson's writer limit); deeper ones are quarantined."""
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 READ_ERRORS = (OSError, EOFError)
@@ -141,7 +144,22 @@ def faithful_record(raw: bytes) -> Any:
     found = find_problem(marked)
     if found is not None:
         raise problem_error(found)
+    check_depth(marked)
     return marked
+
+
+def check_depth(value: Any) -> None:
+    """Raise :class:`RecordError` when ``value`` nests deeper than the lake's JSON writer goes
+    (orjson writes 255 levels and the steps table stores tool inputs with it): such a record
+    would fail a later stage of its whole batch, so it is quarantined here, alone. Only called
+    for records :func:`~flow_assets.logs.faithful.suspicious` flagged, which every record
+    nested that deep is (its check re-serialises the record)."""
+    try:
+        orjson.dumps(value)
+    except TypeError as error:  # orjson: "Recursion limit reached"; nothing else fails on decoded JSON
+        if "Recursion" not in str(error):
+            raise
+        raise RecordError(f"record is nested more than {MAX_DEPTH} levels deep; not stored") from None
 
 
 def _json_kind(value: Any) -> str:
@@ -307,6 +325,12 @@ def read_line(line: bytes, line_no: int, convert: LineConverter, max_record_byte
     return _convert(convert, _require_object(obj), line_no)
 
 
+def record_guard(error: RecursionError) -> RecordError:
+    """The quarantine reason of a record whose conversion ran out of Python stack (nested too
+    deeply for a validator or converter): the record fails, never its file."""
+    return RecordError(f"record is nested too deeply to be read (over about {MAX_DEPTH} levels): {error}")
+
+
 def is_gzip(path: str | Path) -> bool:
     """Whether the file starts with the gzip magic bytes ``1f 8b`` (RFC 1952, section 2.3.1).
 
@@ -343,12 +367,50 @@ def open_log(path: str | Path, buffering: int = -1) -> BinaryIO:
     return handle
 
 
+OVERSIZED_HEAD_BYTES = 64 * 2**10
+"""How much of an oversized line a quarantine record keeps (the batch's snapshot keeps it whole)."""
+
+
+def oversized_error(size: int, max_record_bytes: int, kept: int) -> RecordError:
+    """The quarantine reason of a line of ``size`` bytes (its line end excluded) over the limit."""
+    return RecordError(
+        f"record is {size} bytes, over the {max_record_bytes}-byte limit; not parsed "
+        f"(its first {kept} bytes are kept here, the whole line in the batch's snapshot)"
+    )
+
+
+def bounded_lines(handle: BinaryIO, max_record_bytes: int) -> Iterator[tuple[bytes, int | None]]:
+    """The lines of ``handle`` (terminators kept) as ``(line, None)``, never holding more than
+    ``max_record_bytes`` + 2 bytes of one line in memory: a longer line is read through in
+    pieces and yielded as ``(its first OVERSIZED_HEAD_BYTES bytes, its size in bytes without
+    its line end)``, so a 200 MB line costs no more memory than a 16 MB one.
+
+    Raises:
+        OSError, EOFError: reading failed (see :data:`READ_ERRORS`).
+    """
+    limit = max_record_bytes + 2  # room for a \r\n after a line of exactly the limit
+    while line := handle.readline(limit):
+        if len(line) < limit or line.endswith(b"\n"):
+            yield line, None
+            continue
+        head, size, tail = line[:OVERSIZED_HEAD_BYTES], len(line), line[-2:]
+        del line
+        while piece := handle.readline(1 << 20):
+            size, tail = size + len(piece), (tail + piece)[-2:]
+            if piece.endswith(b"\n"):
+                break
+        end = len(tail) - len(tail.rstrip(b"\r\n")) if tail.endswith(b"\n") else 0  # the line end is no part of it
+        yield (head if size - end > len(head) else head[: size - end]), size - end
+
+
 def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes: int) -> RecordStream:
     """Stream a JSONL file, one record per non-blank line, quarantining bad lines.
 
     Lines are counted from 1, blank lines included, but blank lines are not records. A line
     longer than ``max_record_bytes`` (bytes, line terminator excluded) is quarantined without
-    being decoded. ``raw`` of a quarantined record is the line's bytes without its terminator.
+    being decoded, and without ever being held whole (:func:`bounded_lines`): its ``raw`` is its
+    first :data:`OVERSIZED_HEAD_BYTES` bytes. ``raw`` of any other quarantined record is the
+    line's bytes without its terminator.
     A file with no record at all yields the one quarantined record of :func:`empty_stream`.
 
     Raises (while iterating):
@@ -359,14 +421,22 @@ def stream_jsonl(path: Path, fmt: str, convert: LineConverter, max_record_bytes:
     def records() -> Iterator[Record]:
         with open_log(path) as handle:
             try:
-                for line_no, line in enumerate(handle, start=1):
+                for line_no, (line, oversized) in enumerate(bounded_lines(handle, max_record_bytes), start=1):
+                    if oversized is not None:
+                        books.records_read += 1
+                        yield books.quarantine(oversized_error(oversized, max_record_bytes, len(line)), line, line=line_no)
+                        continue
                     if line.isspace():
                         continue
                     books.records_read += 1
                     try:
-                        yield books.accept(read_line(line, line_no, convert, max_record_bytes), line_no, line=line_no)
+                        try:
+                            record = books.accept(read_line(line, line_no, convert, max_record_bytes), line_no, line=line_no)
+                        except RecursionError as deep:
+                            raise record_guard(deep) from None
                     except RecordError as error:
-                        yield books.quarantine(error, line.rstrip(b"\r\n"), line=line_no)
+                        record = books.quarantine(error, line.rstrip(b"\r\n"), line=line_no)
+                    yield record
             except READ_ERRORS as error:
                 raise UnreadableLogError(str(path), f"read failed: {error}") from None
         if books.records_read == 0:
@@ -399,12 +469,141 @@ class Document:
             return f"(element not re-serialisable: {type(error).__name__}: {error}; see the batch's snapshot)".encode()
 
 
-def load_document(path: Path) -> Document | None:
+@dataclass(frozen=True)
+class BadElement:
+    """An element of a whole-file document that could not be decoded on its own (nested too
+    deeply, oversized, not JSON): it stands in the document's value where the element was, and
+    :func:`stream_elements` quarantines it with ``error`` and ``raw`` (its bytes as written)."""
+
+    error: RecordError
+    raw: bytes
+
+
+# Tokens of a document's structure: a whole string (escapes included), a bracket, a comma or a
+# colon; a lone quote is an unterminated string. Numbers and literals lie between tokens.
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},:"]', re.S)
+_WHITESPACE = b" \t\r\n"
+
+
+def _members(data: bytes, start: int, end: int) -> tuple[bool, list[tuple[bytes | None, int, int]]]:
+    """Split the container (array or object) spanning ``data[start:end]`` into its members
+    without decoding them: ``(is_object, [(key token or None, value start, value end)])``.
+    Only the structure is checked (brackets, commas, strings), at any depth, in one pass.
+
+    Raises:
+        ValueError: the span is not one well-formed container (truncated, trailing bytes, an
+            empty member, a member without its key).
+    """
+    at = start
+    while at < end and data[at] in _WHITESPACE:
+        at += 1
+    if at >= end or data[at] not in b"[{":
+        raise ValueError("not a JSON array or object")
+    is_object = data[at] == ord("{")
+    members: list[tuple[bytes | None, int, int]] = []
+    depth, key, value_at, closed = 0, None, at + 1, -1
+
+    def member(stop: int) -> None:
+        if is_object and key is None:
+            raise ValueError(f"member without a key before byte {stop}")
+        if not data[value_at:stop].strip(_WHITESPACE):
+            raise ValueError(f"empty member before byte {stop}")
+        members.append((key, value_at, stop))
+
+    for token in _STRUCTURE.finditer(data, at, end):
+        char = data[token.start()]
+        if char == ord('"'):
+            if token.end() - token.start() == 1:
+                raise ValueError(f"unterminated string at byte {token.start()}")
+            if depth == 1 and is_object and key is None:
+                key = token.group()
+        elif char in b"[{":
+            depth += 1
+        elif char in b"]}":
+            depth -= 1
+            if depth == 0:
+                if members or data[value_at : token.start()].strip(_WHITESPACE) or key is not None:
+                    member(token.start())
+                closed = token.end()
+                break
+        elif depth == 1 and char == ord(","):
+            member(token.start())
+            key, value_at = None, token.end()
+        elif depth == 1 and char == ord(":"):
+            value_at = token.end()
+    if closed < 0:
+        raise ValueError("truncated: the document never closes")
+    if data[closed:end].strip(_WHITESPACE):
+        raise ValueError(f"bytes after the document's end at byte {closed}")
+    return is_object, members
+
+
+def decode_element(raw: bytes, max_record_bytes: int) -> Any:
+    """One record's JSON decoded on its own, by the rules of a JSONL line: refused when over
+    ``max_record_bytes``, decoded by orjson, checked faithfully when suspicious, nested no
+    deeper than :data:`MAX_DEPTH`.
+
+    Raises:
+        RecordError: why the element cannot be a record.
+    """
+    if len(raw) > max_record_bytes:
+        raise RecordError(f"record is {len(raw)} bytes, over the {max_record_bytes}-byte limit; not parsed")
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return decode_record(raw)
+    return faithful_record(raw) if suspicious(raw, value) else value
+
+
+def _split_container(data: bytes, start: int, end: int, max_record_bytes: int, arrays_below: bool) -> Any:
+    """The container at ``data[start:end]`` with every member decoded on its own; a member that
+    fails is a :class:`BadElement`, or, when it is an array and ``arrays_below``, is split the
+    same way (tau2 keeps its records in the ``simulations`` array of the top object).
+
+    Raises:
+        ValueError: the container's structure is broken (see :func:`_members`).
+    """
+    is_object, members = _members(data, start, end)
+    values: list[tuple[Any, Any]] = []
+    for key_token, value_start, value_end in members:
+        key = decode_element(key_token, max_record_bytes) if key_token is not None else None
+        raw = data[value_start:value_end].strip(_WHITESPACE)
+        try:
+            value = decode_element(raw, max_record_bytes)
+        except RecordError as error:
+            value = BadElement(error, raw)
+            if arrays_below and raw[:1] == b"[":
+                try:
+                    value = _split_container(data, value_start, value_end, max_record_bytes, False)
+                except ValueError:
+                    pass
+        values.append((key, value))
+    return dict(values) if is_object else [value for _, value in values]
+
+
+def split_document(data: bytes, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Document:
+    """A document that does not decode whole (one element nested too deeply, oversized, or not
+    JSON), read element by element: each member of the top array or object, and of an array
+    inside the top object, is decoded on its own, and one that fails stands as a
+    :class:`BadElement` to be quarantined, so the rest of the file is kept.
+
+    Raises:
+        ValueError: the document's structure itself is broken (truncated, trailing bytes...).
+    """
+    try:
+        return Document(_split_container(data, 0, len(data), max_record_bytes, True))
+    except RecordError as error:  # a key that is not a JSON string
+        raise ValueError(error.reason) from None
+
+
+def load_document(path: Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Document | None:
     """Read a whole-file JSON document; ``None`` when the file is empty or whitespace only.
+    A document that does not decode whole is read element by element (:func:`split_document`),
+    so one bad element is one quarantined record; ``max_record_bytes`` bounds an element there.
 
     Raises:
         UnreadableLogError: the file cannot be opened, is not UTF-8 (the message gives the byte
-            offset), or is not JSON (truncated, trailing garbage...).
+            offset), or is not JSON (truncated, trailing garbage...) in its structure.
     """
     with open_log(path) as handle:
         try:
@@ -429,7 +628,11 @@ def load_document(path: Path) -> Document | None:
     try:
         return Document(decode_marked(text), lenient=True)
     except (ValueError, RecursionError) as error:
-        raise UnreadableLogError(str(path), problem or f"not valid JSON: {error}") from None
+        whole_error = problem or f"not valid JSON: {error}"
+    try:
+        return split_document(data, max_record_bytes)
+    except ValueError:
+        raise UnreadableLogError(str(path), whole_error) from None
 
 
 def pointer_token(key: Any) -> str:
@@ -454,15 +657,22 @@ def stream_elements(
     def records() -> Iterator[Record]:
         for pointer, element in elements:
             books.records_read += 1
+            if isinstance(element, BadElement):
+                yield books.quarantine(element.error, element.raw, pointer=pointer)
+                continue
             try:
-                obj = _require_object(element)
-                if document.lenient:
-                    found = find_problem(obj)
-                    if found is not None:
-                        raise problem_error(found)
-                yield books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
+                try:
+                    obj = _require_object(element)
+                    if document.lenient:
+                        found = find_problem(obj)
+                        if found is not None:
+                            raise problem_error(found)
+                    record = books.accept(_convert(convert, obj, pointer), pointer, pointer=pointer)
+                except RecursionError as deep:
+                    raise record_guard(deep) from None
             except RecordError as error:
-                yield books.quarantine(error, document.raw(element), pointer=pointer)
+                record = books.quarantine(error, document.raw(element), pointer=pointer)
+            yield record
 
     return RecordStream(books, records())
 

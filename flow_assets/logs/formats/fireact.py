@@ -215,13 +215,15 @@ def stream_fireact(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> RecordStream:
     """Stream the records of a FireAct trajectories file; each question is one record with pointer
-    ``/<question id>``. ``max_record_bytes`` is accepted for a uniform signature.
+    ``/<question id>``. A document that does not decode whole is read element by element
+    (``common.split_document``): a bad element (nested too deeply, over ``max_record_bytes``,
+    not JSON) is one quarantined record.
 
     Raises:
         UnreadableLogError: the file cannot be read, is not JSON, or is not a JSON object.
     """
     path = Path(path)
-    document = load_document(path)
+    document = load_document(path, max_record_bytes)
     if document is None:
         return empty_stream(path, FORMAT)
     is_object = isinstance(document.value, dict)

@@ -278,14 +278,15 @@ def stream_tau_bench(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> RecordStream:
     """Stream the records of a tau-bench trajectories file (a JSON list); each element is one record whose
-    pointer is ``/<index>``. ``max_record_bytes`` is accepted for a uniform signature; whole-file
-    documents are read whole.
+    A document that does not decode whole is read element by element
+    (``common.split_document``): a bad element (nested too deeply, over ``max_record_bytes``,
+    not JSON) is one quarantined record.
 
     Raises:
         UnreadableLogError: the file cannot be read, is not JSON, or is not a JSON list.
     """
     path = Path(path)
-    document = load_document(path)
+    document = load_document(path, max_record_bytes)
     if document is None:
         return empty_stream(path, FORMAT)
     is_list = isinstance(document.value, list)

@@ -114,14 +114,15 @@ def simulation_trajectory(sim: Simulation, agent_id: str, file_facts: dict[str, 
 def stream_tau2(
     path: str | Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> RecordStream:
-    """Stream the records of a tau2 Results file; each simulation is one record. ``max_record_bytes`` is
-    accepted for a uniform signature; whole-file documents are read whole.
+    """Stream the records of a tau2 Results file; each simulation is one record. A document that does not decode whole is read element by element
+    (``common.split_document``): a bad element (nested too deeply, over ``max_record_bytes``,
+    not JSON) is one quarantined record.
 
     Raises:
         UnreadableLogError: the file cannot be read, is not JSON, or has no ``simulations`` list.
     """
     path = Path(path)
-    document = load_document(path)
+    document = load_document(path, max_record_bytes)
     if document is None:
         return empty_stream(path, FORMAT)
     doc = document.value
