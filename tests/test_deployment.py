@@ -83,3 +83,13 @@ def test_the_ui_shows_sensor_runs_ticks_the_history_chart_and_the_blocked_rounds
     assert result.missing == [], result.found
     assert "KL" in result.found["a blocked round's reason"] and "bound 0.0" in result.found["a blocked round's reason"]
     assert len(result.screenshots) == 5 and all(p.stat().st_size > 10_000 for p in result.screenshots)
+
+
+def test_a_slow_code_server_delays_runs_instead_of_failing_them(tmp_path):
+    """A demo beside other work waited over Dagster's default 180 s for its code server and the
+    runs being dequeued failed. The instance flowopt creates (from the repository's dagster.yaml)
+    waits up to 600 s and requeues a run whose code location was unreachable."""
+    instance = local_instance(tmp_path / "home")
+    queue = instance.get_concurrency_config().run_queue_config
+    assert instance.code_server_process_startup_timeout >= 600
+    assert queue.max_user_code_failure_retries >= 3 and queue.max_concurrent_runs == 4
