@@ -57,6 +57,7 @@ class BatchManifest:
 _COPY_BLOCK = 1 << 22
 #: bytes of whole lines handed to a snapshot's transform at once (one call per block, not per line)
 _TRANSFORM_BLOCK = 1 << 20
+_LONG_LINE_PIECE = 16 << 20  # bytes of one over-long line held at once by the redacting copy
 #: a snapshot's rewrite: the file's blocks of whole lines in, the bytes to store out, in order
 BlockTransform = Callable[[Iterator[bytes]], Iterator[bytes]]
 
@@ -91,17 +92,28 @@ def _snapshot_name(file_name: str) -> str:
 
 def _line_blocks(source: io.BufferedIOBase) -> Iterator[bytes]:
     """``source``'s bytes in blocks of about :data:`_TRANSFORM_BLOCK`, each ending at a line end
-    (the last may not); a line longer than a block is one block of its own."""
-    carry = b""
+    (the last may not). A line longer than :data:`_LONG_LINE_PIECE` is passed on in pieces of
+    about that size, each cut after a ``",`` (between two JSON members, where no redaction
+    pattern matches across) when it has one, so a huge line is never held whole (#25: a 200 MB
+    line peaked at 3.2 GB); such a line is quarantined by the reader anyway."""
+    carry: list[bytes] = []  # the unfinished line, in reads
+    carried = 0
     while chunk := source.read(_TRANSFORM_BLOCK):
         cut = chunk.rfind(b"\n") + 1
         if not cut:
-            carry += chunk
+            carry.append(chunk)
+            carried += len(chunk)
+            if carried >= _LONG_LINE_PIECE:
+                piece = b"".join(carry)
+                at = piece.rfind(b'",')
+                at = at + 2 if at >= 0 else len(piece)
+                yield piece[:at]
+                carry, carried = [piece[at:]], len(piece) - at
             continue
-        yield carry + chunk[:cut]
-        carry = chunk[cut:]
-    if carry:
-        yield carry
+        yield b"".join([*carry, chunk[:cut]])
+        carry, carried = [chunk[cut:]], len(chunk) - cut
+    if carried:
+        yield b"".join(carry)
 
 
 def _copy_hashed(src: Path, dst: Path, transform: BlockTransform | None) -> str:
