@@ -9,7 +9,8 @@ same for users):
    :data:`EXIT_USAGE` and nothing written. A directory stands for the log files under it
    (recursively; hidden names, ``*.tmp`` and symbolic links are skipped).
 2. Each file is copied into the landing directory (``<landing>/<source>/<name>``, written as
-   ``.tmp`` then renamed) and registered as its own log batch, keyed by content
+   a hidden, locked ``.tmp`` then renamed; the temporaries of copies killed midway are removed
+   first, :func:`sensors.landing.remove_stale_temporaries`) and registered as its own log batch, keyed by content
    (:func:`sensors.landing.batch_key`). Only these batches run: other files in the landing
    directory are the sensor's business.
 3. A batch whose bytes were ingested before and went through the whole data plane is not run
@@ -29,7 +30,7 @@ quarantined; :data:`EXIT_ALREADY_INGESTED` a file's bytes were already ingested 
 
 from __future__ import annotations
 
-import hashlib
+import fcntl
 import os
 import re
 import shutil
@@ -44,7 +45,7 @@ from flow_assets.partitions import log_batches
 from flow_assets.recovery import recover_dead_runs
 from flow_assets.summary import batch_summary
 from resources.lake import BatchManifest, TrajectoryLake
-from sensors.landing import LandedFile, batch_key, is_in_progress, sha256_file
+from sensors.landing import LandedFile, batch_key, ingest_temporary, is_in_progress, remove_stale_temporaries, sha256_file
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -168,14 +169,28 @@ def resolve_arguments(paths: list[str | os.PathLike], source: str | None = None)
 
 
 def land(file: IngestFile, landing: Path) -> tuple[LandedFile, str]:
-    """Copy ``file`` into ``landing`` under the landing convention (``.tmp`` then rename) and
-    return it as a landed file with the sha256 of the landed bytes (hex)."""
+    """Copy ``file`` into ``landing`` under the landing convention (a hidden temporary, held
+    locked while it is written, then renamed) and return it as a landed file with the sha256 of
+    the landed bytes (hex). The source file is only read.
+
+    Raises:
+        OSError: the file cannot be read or the landing directory written.
+    """
     dest = landing / file.source / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # hidden and short whatever the name's length (name + ".tmp" may pass the 255-byte limit)
-    tmp = dest.with_name(f".{hashlib.sha256(os.fsencode(dest.name)).hexdigest()[:16]}.{os.getpid()}.tmp")
-    shutil.copyfile(file.path, tmp)
-    tmp.rename(dest)
+    tmp = ingest_temporary(dest)
+    # the lock tells remove_stale_temporaries that this copy is alive; a kill releases it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with open(file.path, "rb") as source, open(fd, "wb", closefd=False) as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+        tmp.rename(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
     stat = dest.stat()
     rel = f"{file.source}/{file.name}"
     return LandedFile(dest, rel, file.source, stat.st_size, stat.st_mtime_ns), sha256_file(dest)
@@ -250,6 +265,7 @@ def ingest_files(
     """
     plan: list[tuple[IngestFile, str, bool, list[str]]] = []
     recover_dead_runs(instance, lake)  # a batch whose run died is not done, so it runs again below
+    remove_stale_temporaries(landing)  # what copies killed midway left in the landing directory
     done = instance.get_materialized_partitions(_LAST_ASSET)
     for file in files:
         landed, digest = land(file, landing)

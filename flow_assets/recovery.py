@@ -14,6 +14,11 @@ sensor requests it again (:func:`batches_to_rerun`). Re-running is idempotent by
 every table's partition is replaced as a whole, never appended to.
 
 Only runs started on this host are judged; a run from another machine is never marked dead.
+
+A landed file that grows after it was registered (its writer paused past the sensor's settle
+time, then appended) would land its first part twice: once as the batch registered early, once
+in the batch of the whole file. :func:`retire_grown_batches` retires the early batch when the
+whole file's batch is registered (its bytes are a prefix of the file now, so nothing is lost).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import socket
 
 import psutil
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+
+from flow_assets.partitions import log_batches
+from sensors.landing import LandedFile, grown_from
 
 HOST_TAG = "flowopt/host"
 PID_TAG = "flowopt/pid"
@@ -93,3 +101,24 @@ def batches_to_rerun(instance: DagsterInstance, job_name: str = "log_batch_job")
         if latest and latest[0].run_id == run.run_id and not succeeded:
             out[key] = run.run_id
     return out
+
+
+def retire_grown_batches(instance: DagsterInstance, lake, landed: LandedFile) -> tuple[list[str], list[str]]:
+    """Retire the batches registered from ``landed``'s name whose bytes are a strict prefix of
+    the file now (:func:`sensors.landing.grown_from`): their dynamic partition and every row and
+    snapshot of theirs in ``lake`` go, because the batch of the whole file holds all their records.
+    Nothing is retired while one of them has an unfinished run (it would write rows back); the
+    caller waits for a later tick then.
+
+    Returns:
+        ``(keys retired, keys with an unfinished run)``; at most one of them is non-empty.
+    """
+    grown = grown_from(landed, lake.registered_batches())
+    busy = [k for k in grown if instance.get_runs(RunsFilter(statuses=UNFINISHED, tags={PARTITION_NAME_TAG: k}), limit=1)]
+    if busy:
+        return [], busy
+    for key in grown:
+        if instance.has_dynamic_partition(log_batches.name, key):
+            instance.delete_dynamic_partition(log_batches.name, key)
+        lake.drop_batch(key)
+    return grown, []

@@ -234,3 +234,46 @@ def test_serve_starts_the_gateway_alone_and_lands_what_it_captured_on_shutdown(f
 def test_serve_explains_a_missing_policy(tmp_path):
     done = subprocess.run([FLOWOPT, "serve", "--models", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no base model" in done.stderr
+
+
+LAND_ONE = """
+import sys
+from pathlib import Path
+from flow_assets.ingest import IngestFile, land
+land(IngestFile(Path(sys.argv[1]), "agent", "big.jsonl"), Path(sys.argv[2]))
+"""
+
+
+def test_a_copy_killed_midway_leaves_a_temporary_that_the_next_ingest_removes(tmp_path):
+    import signal
+    import time
+
+    from sensors.landing import remove_stale_temporaries
+
+    landing = tmp_path / "landing"
+    source = tmp_path / "source.jsonl"
+    os.mkfifo(source)  # a source that never ends: the copy is still running when it is killed
+    copier = subprocess.Popen([sys.executable, "-c", LAND_ONE, str(source), str(landing)], cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 120
+        while not list((landing / "agent").glob(".*.tmp")) if (landing / "agent").is_dir() else True:
+            assert copier.poll() is None and time.monotonic() < deadline, "the copy never started"
+            time.sleep(0.02)
+        (tmp,) = (landing / "agent").glob(".*.tmp")
+        old = time.time() - 3600
+        os.utime(tmp, (old, old))
+        assert remove_stale_temporaries(landing) == [] and tmp.exists()  # a live copy holds its lock
+        copier.send_signal(signal.SIGKILL)
+        copier.wait()
+    finally:
+        copier.kill()
+        copier.wait()
+    foreign = landing / "agent" / ".writer.jsonl.tmp"  # another writer's temporary: never touched
+    foreign.write_text("{}")
+    os.utime(foreign, (old, old))
+    small = tmp_path / "agent" / "small.jsonl"  # the next ingest, of any file
+    small.parent.mkdir()
+    small.write_text("".join(r.trajectory.model_dump_json() + "\n" for r in parse_file(TAU_BENCH).valid[:2]))
+    rc, _, err = _ingest(tmp_path, small)
+    assert rc == 0, err[-2000:]
+    assert not tmp.exists() and foreign.exists()  # before: the dead copy's .tmp stayed for good

@@ -189,8 +189,8 @@ def test_a_file_removed_between_listing_and_hashing_is_skipped_and_the_tick_goes
     landing, lake, defs = _setup(tmp_path)
     listed = module.list_landed
 
-    def list_then_remove(directory):
-        files = listed(directory)
+    def list_then_remove(directory, *rest):
+        files = listed(directory, *rest)
         (landing / "tau-bench" / TAU_BENCH.name).unlink()  # a writer removes it while the tick runs
         return files
 
@@ -199,3 +199,76 @@ def test_a_file_removed_between_listing_and_hashing_is_skipped_and_the_tick_goes
     (request,) = result.run_requests  # the FireAct file still became its batch
     assert request.partition_key.startswith("fireact.")
     assert TAU_BENCH.name not in (result.cursor or "")  # the vanished file is not remembered: a new file of that name is read
+
+
+def test_a_hard_link_into_the_landing_directory_is_refused_and_its_file_left_untouched(tmp_path, dagster_instance):
+    landing, lake, defs = _setup(tmp_path)
+    outside = tmp_path / "elsewhere" / "secret.json"
+    outside.parent.mkdir()
+    shutil.copyfile(TAU_BENCH, outside)
+    before = outside.read_bytes()
+    os.link(outside, landing / "tau-bench" / "linked.json")  # the old sensor read it as a log
+    with build_sensor_context(instance=dagster_instance, resources=defs.resources, sensor_name="new_logs_sensor") as ctx:
+        result = new_logs_sensor(ctx)
+    assert len(result.run_requests) == 2  # the two real files only
+    manifests = TrajectoryLake(root=str(lake)).registered_batches()
+    assert not any("linked" in m.original_path for m in manifests)
+    assert outside.read_bytes() == before and (landing / "tau-bench" / "linked.json").exists() and outside.stat().st_nlink == 2
+    refused: list = []
+    from sensors.landing import list_landed
+
+    list_landed(landing, refused)
+    assert [(p.name, "hard link" in why) for p, why in refused] == [("linked.json", True)]
+
+
+def _canonical_lines(n: int) -> list[bytes]:
+    from flow_assets.logs.chunks import read_chunks
+
+    with read_chunks(TAU_BENCH) as stream:
+        return [r.encode() + b"\n" for chunk in stream for r in chunk.valid["record_json"].to_list()][:n]
+
+
+def test_a_file_that_grows_after_its_writer_paused_past_the_settle_time_lands_each_record_once(tmp_path, dagster_instance):
+    landing, lake = tmp_path / "landing", tmp_path / "lake"
+    (landing / "agent").mkdir(parents=True)
+    defs = build_definitions(str(lake), str(landing), settle_seconds=0)
+    lines = _canonical_lines(30)
+    target = landing / "agent" / "runs.jsonl"
+    target.write_bytes(b"".join(lines[:11]) + lines[11][:50])  # the writer pauses mid-line, past the settle time
+    first = _tick(defs, dagster_instance)
+    (early,) = [r.partition_key for r in first.run_requests]
+    assert run_job(defs, dagster_instance, "log_batch_job", early).success
+    with target.open("ab") as fh:  # ... and goes on: 19 more records and the rest of the torn one
+        fh.write(lines[11][50:] + b"".join(lines[12:]))
+    second = _tick(defs, dagster_instance, first.cursor)
+    (whole,) = [r.partition_key for r in second.run_requests]
+    assert run_job(defs, dagster_instance, "log_batch_job", whole).success
+    lake_res = TrajectoryLake(root=str(lake))
+    landed = [lake_res.read_partition("trajectories", k) for k in dagster_instance.get_dynamic_partitions(log_batches.name)]
+    ids = [t for frame in landed for t in frame["trajectory_id"].to_list()]
+    # before: both batches stayed, the first 11 records twice (the attack saw 19 duplicates)
+    assert len(ids) == 30 and len(set(ids)) == 30
+    assert dagster_instance.get_dynamic_partitions(log_batches.name) == [whole]
+    assert [m.key for m in lake_res.registered_batches()] == [whole]
+
+
+def test_a_grown_file_waits_while_the_run_of_its_early_batch_is_unfinished(tmp_path, dagster_instance):
+    from dagster import DagsterRun, DagsterRunStatus
+
+    landing, lake = tmp_path / "landing", tmp_path / "lake"
+    (landing / "agent").mkdir(parents=True)
+    defs = build_definitions(str(lake), str(landing), settle_seconds=0)
+    lines = _canonical_lines(4)
+    target = landing / "agent" / "runs.jsonl"
+    target.write_bytes(b"".join(lines[:2]))
+    first = _tick(defs, dagster_instance)
+    (early,) = [r.partition_key for r in first.run_requests]
+    run = dagster_instance.add_run(DagsterRun(job_name="log_batch_job", run_id="0" * 36, tags={"dagster/partition": early},
+                                              status=DagsterRunStatus.STARTED))  # fmt: skip
+    with target.open("ab") as fh:
+        fh.write(b"".join(lines[2:]))
+    waiting = _tick(defs, dagster_instance, first.cursor)
+    assert not waiting.run_requests and early in dagster_instance.get_dynamic_partitions(log_batches.name)
+    dagster_instance.report_run_failed(run)
+    (request,) = _tick(defs, dagster_instance, waiting.cursor).run_requests
+    assert dagster_instance.get_dynamic_partitions(log_batches.name) == [request.partition_key]
