@@ -9,7 +9,7 @@ from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, Se
 
 from flow_assets.jobs import log_batch_job
 from flow_assets.partitions import log_batches
-from flow_assets.recovery import batches_to_rerun, recover_dead_runs
+from flow_assets.recovery import batches_to_rerun, recover_dead_runs, retire_grown_batches
 from resources.lake import BatchManifest, TrajectoryLake
 from resources.landing import LogLanding
 from sensors.landing import batch_key, list_landed, sha256_file
@@ -27,7 +27,7 @@ def _load_cursor(raw: str | None) -> dict[str, list]:
     minimum_interval_seconds=sensor_interval(),
     default_status=DefaultSensorStatus.RUNNING,
     description=(
-        "Each new or rewritten log file in the landing directory (settled, not a symlink) "
+        "Each new or rewritten log file in the landing directory (settled, not a symlink or hard link) "
         "becomes one log batch partition and one run of log_batch_job. Files already registered are "
         "never requested again; a batch whose run died is re-run once."
     ),
@@ -48,7 +48,8 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
     cursor = _load_cursor(context.cursor)
     new_keys: list[str] = []
     started, hashed, left, settling = time.monotonic(), 0, 0, 0
-    for landed in list_landed(Path(landing.directory)):
+    refused: list[tuple[Path, str]] = []
+    for landed in list_landed(Path(landing.directory), refused):
         known = cursor.get(landed.relpath)
         if known and known[:-1] == landed.fingerprint():
             continue
@@ -68,6 +69,17 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
         key = batch_key(landed, digest)
         if key in new_keys or context.instance.has_dynamic_partition(log_batches.name, key):
             continue
+        # a file registered while its writer paused, grown since: its early batch goes, or the
+        # records of its first part would land twice; while that batch's run runs, wait. Only
+        # a name seen before can have one (reading every manifest for each new name would not scale)
+        retired, busy = retire_grown_batches(context.instance, lake, landed) if known else ([], [])
+        if busy:
+            cursor[landed.relpath] = known  # still "changed" next tick, so looked at again
+            settling += 1
+            context.log.info(f"{landed.path}: grew after batch {busy[0]} was registered from it; waits for that run to finish")
+            continue
+        for old in retired:
+            context.log.info(f"batch {old}: retired, its file {landed.relpath} grew; batch {key} holds every record of it")
         lake.register_batch(
             BatchManifest(
                 key=key,
@@ -81,6 +93,8 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
             )
         )
         new_keys.append(key)
+    for path, why in refused:
+        context.log.warning(f"{path}: {why}")
     if left:
         context.log.info(f"{left} new file(s) left for the next tick (hashing budget {landing.tick_budget_seconds} s spent)")
     if settling:
