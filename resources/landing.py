@@ -21,6 +21,9 @@ class LogLanding(ConfigurableResource):
             sensor evaluation after 60 s, and a stopped tick saves no cursor.
         settle_seconds: a file modified less than this many seconds ago is left for a later
             tick, so a file written in place (not ``.tmp`` then rename) is not read half-written.
+            A writer that pauses longer and then appends is caught anyway: the batch registered
+            from the file's first part is retired when the whole file is registered
+            (:func:`flow_assets.recovery.retire_grown_batches`), so no record lands twice.
     """
 
     directory: str = Field(default=".landing", description="Landing directory for log files.")
