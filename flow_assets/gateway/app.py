@@ -11,7 +11,8 @@ Routes (all JSON; errors in OpenAI's shape, never a stack trace):
                                             ``X-Agent-ID`` opens one with defaults)
     POST /rollouts/{id}/finish              close it with its outcome; it lands as a trajectory
     POST /batches/{name}/close              land an open batch now (``.tmp`` renamed)
-    GET  /health                            counters
+    GET  /health                            counters (the only route that never needs a token)
+    GET  /metrics                           Prometheus text: requests, latency, tokens per adapter
 
 Live A/B: while the registry has a challenger, ``model="policy"`` is served by the challenger
 for its share of sessions (``X-Session-ID`` header, else the request's ``user``, else the
@@ -22,6 +23,17 @@ A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path pre
 is rendered with the policy's chat template, sampled by the dynamic batcher, its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
 (:mod:`flow_assets.gateway.capture`).
+
+In front of every route (:mod:`flow_assets.gateway.guard`): bearer tokens when the gateway has
+them (a gateway bound beyond loopback must), a body size cap (413), a body read timeout (408) and
+a JSON nesting cap (400). Client-visible errors never carry a filesystem path: an unexpected
+error is logged with an id and answered with that id only. The chat template is rendered and
+tokenised off the event loop, after a cheap length check that refuses (400,
+``context_length_exceeded``) messages too long for the context whatever their tokens, so one
+large request does not hold up the others.
+
+At start-up the gateway lands the open batches of a gateway that died in its landing directory
+(:meth:`~flow_assets.gateway.landing.BatchLander.recover`).
 """
 
 from __future__ import annotations
@@ -29,9 +41,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +60,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
 from flow_assets.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
 from flow_assets.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
-from flow_assets.gateway.landing import BatchLander, check_name
+from flow_assets.gateway.guard import RequestGuard, RequestLimits
+from flow_assets.gateway.landing import BatchLander, RecoveredBatch, check_name
 from flow_assets.gateway.protocol import (
     ChatCompletionRequest,
     RolloutFinish,
@@ -75,6 +90,7 @@ class GatewayConfig:
         source: landing sub-directory of the rolling batch.
         reap_every_s: how often idle rollouts and due batches are checked, seconds.
         seed: seeds the sampling seeds of requests that bring none.
+        limits: request limits (body size, body read timeout, JSON nesting).
     """
 
     max_batch_rows: int = 256
@@ -86,6 +102,7 @@ class GatewayConfig:
     source: str = "gateway"
     reap_every_s: float = 5.0
     seed: int = 0
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class Gateway:
@@ -94,7 +111,8 @@ class Gateway:
     Args:
         engine: the policy (base model + adapters).
         resolver: model name -> adapter.
-        landing: the landing directory finished rollouts go to.
+        landing: the landing directory finished rollouts go to; the open batches a dead gateway
+            left in it land at once (:attr:`recovered`).
         config: settings.
     """
 
@@ -108,6 +126,11 @@ class Gateway:
             landing, self.config.source, self.config.batch_max_trajectories, self.config.batch_flush_seconds
         )
         self.calls = 0
+        self.recovered: list[RecoveredBatch] = self.lander.recover()
+        # a token never covers more characters than the longest vocabulary entry: a prompt with more
+        # than context * that many characters cannot fit, whatever its tokens (checked before tokenising)
+        vocab = engine.tokenizer.get_vocab()
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
 
     def land(self, trajectory, settings: RolloutSettings) -> str | None:
         """Hand a finished rollout to its batch (unless it must not land); returns the batch."""
@@ -125,8 +148,39 @@ class Gateway:
             self.lander.close_due()
 
 
+# an absolute path of two or more components: what a client must never see of the server's files
+_PATH = re.compile(r"(?<![\w.:/-])/(?:[^/\s'\"]+/)+[^/\s'\",;)]*")
+
+
+def scrub_paths(message: str) -> str:
+    """``message`` with every absolute filesystem path replaced by ``<path>``."""
+    return _PATH.sub("<path>", message)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    return JSONResponse(error_body(scrub_paths(message), kind, param, code), status_code=status)
+
+
+def _whitespace_free_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters other than ASCII whitespace in what a request asks to render (some tokenisers
+    drop whitespace; no tokeniser drops other characters)."""
+    total = 0
+    for text in _strings(messages) + _strings(tools or []):
+        total += len(text) - sum(text.count(c) for c in " \t\n\r\f\v")
+    return total
+
+
+def _strings(value: Any) -> list[str]:
+    found, stack = [], [value]
+    while stack:  # iterative: the guard caps nesting, this stays cheap and recursion-free anyway
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], text: str, stops: list[str] | None):
@@ -150,8 +204,9 @@ def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
     return {"content": content}
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    """The FastAPI application serving ``gateway`` (module docstring)."""
+def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
+    """The FastAPI application serving ``gateway`` (module docstring); ``tokens``: the bearer
+    tokens every route but ``/health`` asks for (none: no token asked, for loopback only)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -169,6 +224,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     app = FastAPI(title="flowopt policy gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(RequestGuard, tokens=tuple(tokens), limits=gateway.config.limits)
     tokenizer = gateway.engine.tokenizer
     metrics = CollectorRegistry()  # per app: two gateways in one process count apart
     requests_total = Counter("flowopt_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=metrics)
@@ -207,8 +263,10 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("gateway error on %s %s", request.method, request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        # the details (paths, library internals) go to the log; the client gets an id to quote
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("gateway error %s on %s %s", error_id, request.method, request.url.path)
+        return _error(500, f"internal error {error_id} ({type(exc).__name__}); the gateway's log has the details", "server_error")
 
     @app.get("/health")
     async def health() -> dict:
@@ -217,7 +275,12 @@ def create_app(gateway: Gateway) -> FastAPI:
             "calls": gateway.calls,
             "open_rollouts": gateway.recorder.open_count,
             "open_batches": gateway.lander.open_batches(),
-            "landed_batches": [str(p) for p in gateway.lander.landed],
+            # relative to the landing directory: where the server keeps its files is not the client's business
+            "landed_batches": [str(p.relative_to(gateway.lander.directory)) for p in gateway.lander.landed],
+            "recovered_batches": [
+                {"batch": str(r.path.relative_to(gateway.lander.directory)), "rollouts": r.rollouts, "torn_bytes": r.torn_bytes}
+                for r in gateway.recovered
+            ],
             "generation_batches": gateway.batcher.batches,
             "generated_sequences": gateway.batcher.rows,
         }
@@ -262,11 +325,22 @@ def create_app(gateway: Gateway) -> FastAPI:
         top_p = 1.0 if top_p is None else top_p
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        context = gateway.engine.max_positions
+        if context is not None and (chars := _whitespace_free_chars(messages, tools)) > 4 * gateway.max_token_chars * context:
+            # refused before tokenising (seconds of CPU for megabytes of text): more characters than
+            # the context can hold even at the longest token, with a 4x margin for normalisers
+            return _error(
+                400,
+                f"This model's maximum context length is {context} tokens. However, your messages hold {chars} "
+                f"characters, more than {context} tokens can cover.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         try:
-            _, prompt_ids = render_prompt(tokenizer, messages, tools, fmt=gateway.engine.chat)
+            # off the event loop: the tokeniser releases the GIL, other requests go on meanwhile
+            _, prompt_ids = await asyncio.to_thread(render_prompt, tokenizer, messages, tools, fmt=gateway.engine.chat)
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             return _error(400, f"the messages cannot be rendered with the policy's chat template: {exc}", param="messages")
-        context = gateway.engine.max_positions
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = requested or gateway.config.default_max_tokens
         if context is not None:

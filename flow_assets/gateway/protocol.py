@@ -78,7 +78,8 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    # a 64-bit signed integer, as OpenAI's schema says: larger seeds cannot seed a generator
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)

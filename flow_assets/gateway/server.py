@@ -1,15 +1,71 @@
 """Running the gateway: in a background thread of the calling process (collection, evaluation,
 the demo, tests), or in the foreground (``flowopt serve``). Both bind 127.0.0.1 by default and
-serve real HTTP with uvicorn."""
+serve real HTTP with uvicorn. Neither binds an address beyond loopback without bearer tokens
+(:func:`check_bind`): anyone who reaches an open gateway could finish rollouts with any score,
+and those scores become training data."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import uvicorn
 
 from flow_assets.gateway.app import Gateway, create_app
+
+
+#: environment variable holding the gateway's bearer tokens, comma-separated (as ``FLOWOPT_API_TOKENS``)
+TOKENS_ENV = "FLOWOPT_GATEWAY_TOKENS"
+
+
+def gateway_tokens(tokens_file: str | Path | None = None, environ: dict[str, str] | None = None) -> list[str]:
+    """The gateway's bearer tokens: ``$FLOWOPT_GATEWAY_TOKENS`` (comma-separated) and the lines
+    of ``tokens_file`` (one token a line; blank lines and ``#`` comments skipped).
+
+    Raises:
+        OSError: ``tokens_file`` cannot be read.
+    """
+    environ = os.environ if environ is None else environ
+    tokens = [t.strip() for t in environ.get(TOKENS_ENV, "").split(",") if t.strip()]
+    if tokens_file is not None:
+        lines = Path(tokens_file).read_text(encoding="utf-8").splitlines()
+        tokens += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return tokens
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` listens on loopback only (``127.0.0.1``, ``::1``, ``localhost``
+    or a name that resolves to loopback addresses only); ``0.0.0.0``, ``::`` and ``""`` are every
+    interface, not loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def check_bind(host: str, tokens: Sequence[str]) -> None:
+    """Refuse to serve beyond loopback without tokens.
+
+    Raises:
+        ValueError: ``host`` is not loopback and ``tokens`` is empty (the message says what to set).
+    """
+    if not is_loopback(host) and not any(tokens):
+        raise ValueError(
+            f"refusing to listen on {host!r} without bearer tokens: anyone reaching it could finish rollouts "
+            f"with any score; set {TOKENS_ENV} (comma-separated) or --tokens-file, or bind 127.0.0.1"
+        )
 
 
 class GatewayServer:
@@ -23,17 +79,22 @@ class GatewayServer:
         gateway: what to serve.
         host / port: where.
         startup_timeout_s: how long to wait for the server to accept connections, seconds.
+        tokens: bearer tokens asked for on every route but ``/health`` (required beyond loopback).
 
-    Raises (on enter):
-        RuntimeError: the server did not start in time (e.g. the port is taken).
+    Raises:
+        ValueError: ``host`` is not loopback and there are no ``tokens``.
+        RuntimeError (on enter): the server did not start in time (e.g. the port is taken).
     """
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0):
+    def __init__(
+        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0, tokens: Sequence[str] = ()
+    ):
+        check_bind(host, tokens)
         self.gateway = gateway
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
-        config = uvicorn.Config(create_app(gateway), host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(create_app(gateway, tokens), host=host, port=port, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="flowopt-gateway", daemon=True)
 
@@ -59,10 +120,15 @@ class GatewayServer:
         self.gateway.batcher.close()
 
 
-def serve_forever(gateway: Gateway, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve_forever(gateway: Gateway, host: str = "127.0.0.1", port: int = 8000, tokens: Sequence[str] = ()) -> None:
     """Serve in the foreground until interrupted (``flowopt serve``); open rollouts and batches
-    land on shutdown."""
+    land on shutdown. ``tokens``: as :class:`GatewayServer`.
+
+    Raises:
+        ValueError: ``host`` is not loopback and there are no ``tokens``.
+    """
+    check_bind(host, tokens)
     try:
-        uvicorn.run(create_app(gateway), host=host, port=port, log_level="info")
+        uvicorn.run(create_app(gateway, tokens), host=host, port=port, log_level="info")
     finally:
         gateway.batcher.close()
