@@ -146,7 +146,7 @@ def queues():
 
 def _consumer(landing: Path, prefix: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [FLOWOPT, "bus", "consume", "--landing", str(landing), "--queue-prefix", prefix, "--max-records", "40", "--window-seconds", "0.5",
+        [FLOWOPT, "bus", "consume", "--landing", str(landing), "--queue-prefix", prefix, "--max-records", "150", "--window-seconds", "2",
          "--unlabelled-timeout", "3", "--task-ttl", "5", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -176,7 +176,7 @@ def test_a_consumer_killed_mid_stream_and_restarted_lands_every_record_exactly_o
     first.wait(timeout=30)
     before = sum(len(p.read_text().splitlines()) for p in (landing / "bus").glob("*.jsonl"))
     assert 1 <= before < n, first.stderr.read()[-3000:]  # killed mid-stream
-    second = _consumer(landing, queues, "--idle-exit", "8")
+    second = _consumer(landing, queues, "--idle-exit", "4")
     out, err = second.communicate(timeout=180)
     assert second.returncode == 0, err[-3000:]
     stats = json.loads(out)
