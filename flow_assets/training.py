@@ -37,6 +37,7 @@ from pydantic import Field
 
 from flow_assets.champion import CHAMPION, CHAMPION_DESCRIPTION, champion_materialization
 from flow_assets.config import dagster_config
+from flow_assets.data_checks import failed_data_checks
 from flow_assets.data_plane import advantages
 from flow_assets.history import COLUMNS as HISTORY_COLUMNS
 from flow_assets.history import history_chart, vega_lite_spec
@@ -218,6 +219,9 @@ def policy_checkpoint(
     GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
     Each step is logged to the run log and, when set, to the experiment tracker."""
     key = context.partition_key
+    # the sensor and the API refuse such a batch; a round launched from the UI or the CLI must too
+    if failed := failed_data_checks(context.instance, key):
+        raise Failure(f"batch {key!r} failed its blocking data checks {failed}: not trained (fix its logs and re-materialise advantages)")
     _check_job_budget(context, lake)
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
     trainer = config.to_pure(output_dir="")
