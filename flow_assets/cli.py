@@ -203,7 +203,7 @@ def _registry_rebuild(args: argparse.Namespace) -> int:
     except RegistryError as exc:
         print(f"flowopt registry rebuild: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"champion": content["champion"]["version"], "events": len(content["history"])}))
+    print(json.dumps({"champion": (content["champion"] or {}).get("version"), "events": len(content["history"])}))
     return 0
 
 
