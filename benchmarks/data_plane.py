@@ -171,6 +171,24 @@ def floor_seconds(path: Path, repeats: int) -> dict:
     return {"reader": best, "seconds": by_reader[best], "by_reader": {n: s["median"] for n, s in by_reader.items()}}
 
 
+def copy_rates(path: Path, scratch: Path) -> dict:
+    """MB/s (MiB of the file per second) of the lake's snapshot copy of ``path`` in this process:
+    ``plain`` (copy and hash) and ``redacting`` (copy and hash through one
+    :class:`~flow_assets.logs.redact.Redactor`, the default rules, no worker processes): what
+    secret redaction costs per byte, apart from the rest of the job."""
+    from flow_assets.logs.redact import Redactor
+    from resources.lake import _copy_hashed
+
+    size = path.stat().st_size / 2**20
+    rates = {}
+    for name, transform in (("plain", None), ("redacting", Redactor().stream)):
+        target = scratch / f"copy-{name}"
+        seconds, _ = time_call(_copy_hashed, path, target, transform)
+        target.unlink()
+        rates[name] = size / seconds
+    return rates
+
+
 # -- the job, in a child process ---------------------------------------------------------------
 def job_child(landing: str, work: str) -> dict:
     """Child process: register the landed batch and run ``log_batch_job`` on a fresh instance.
@@ -255,6 +273,7 @@ def measure_size(records: list[dict], steps: int, repeats: int, scratch: Path) -
         peaks.append(peak)
         shutil.rmtree(work, ignore_errors=True)
     floor = floor_seconds(landing / SOURCE / f"batch-{steps}.jsonl", repeats)
+    copy = copy_rates(landing / SOURCE / f"batch-{steps}.jsonl", scratch)
     shutil.rmtree(landing, ignore_errors=True)
     job = summarize([r["job_seconds"] for r in runs])
     asset_names = sorted(runs[0]["asset_seconds"])
@@ -273,6 +292,7 @@ def measure_size(records: list[dict], steps: int, repeats: int, scratch: Path) -
         "baseline_rss_mb": summarize([r["baseline_rss_mb"] for r in runs]),
         "floor": floor,
         "ratio_to_floor": ratio(job["median"], floor["seconds"]["median"]),
+        "copy_mb_per_second": copy,
     }
 
 
@@ -285,21 +305,26 @@ def sizes_note(per_size: list[dict], skipped: list[dict]) -> str:
     return note
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, sizes: tuple[int, ...] | None = None, repeats: tuple[int, ...] | None = None) -> dict:
     """The data-plane benchmark (module docstring).
 
     Returns:
         ``sizes`` (per size: steps, trajectories, MB of JSON, job seconds with spread, register and
         per-asset seconds, Dagster overhead, trajectories/s, steps/s, seconds per million steps,
-        peak RSS MB, the floor and ``ratio_to_floor``), ``skipped`` (sizes not run, with why),
+        peak RSS MB, the floor and ``ratio_to_floor``, the snapshot copy's MB/s plain and
+        redacting), ``skipped`` (sizes not run, with why),
         ``scaling`` (linear fit of job seconds on steps, log-log exponents over all sizes and
         between the two largest, per asset too, largest/smallest time ratio against the size
         ratio, peak RSS growth), ``headline`` and ``tables`` (one row per size).
 
+    ``sizes`` and ``repeats`` (steps per batch, runs per size) replace the full or quick ones,
+    e.g. to measure what fits a busy machine's time (``repeats`` defaults to one run each).
+
     Raises:
         RuntimeError: fewer than two sizes could run (no growth to report).
     """
-    sizes, repeats = (QUICK_SIZES, QUICK_REPEATS) if quick else (FULL_SIZES, FULL_REPEATS)
+    default_sizes, default_repeats = (QUICK_SIZES, QUICK_REPEATS) if quick else (FULL_SIZES, FULL_REPEATS)
+    sizes, repeats = sizes or default_sizes, repeats or (default_repeats if sizes is None else (1,) * len(sizes))
     records = real_records()
     scratch = Path(tempfile.mkdtemp(prefix="flowopt-bench-data-plane-"))
     started = time.perf_counter()
@@ -357,10 +382,11 @@ def run(quick: bool = False) -> dict:
     table = {
         "title": "data plane by size (log_batch_job, medians)",
         "columns": ["steps", "trajectories", "JSON MB", "runs", "job s", "s per 1M steps", "steps/s", "traj/s",
-                    "peak RSS MB", "floor s", "job / floor"],
+                    "peak RSS MB", "floor s", "job / floor", "redacting copy MB/s", "plain copy MB/s"],
         "rows": [[p["steps"], p["trajectories"], p["megabytes"], p["job_seconds"]["n"], p["job_seconds"]["median"],
                   p["seconds_per_million_steps"], p["steps_per_second"], p["trajectories_per_second"],
-                  p["peak_rss_mb"]["median"], p["floor"]["seconds"]["median"], p["ratio_to_floor"]] for p in per_size],
+                  p["peak_rss_mb"]["median"], p["floor"]["seconds"]["median"], p["ratio_to_floor"],
+                  p["copy_mb_per_second"]["redacting"], p["copy_mb_per_second"]["plain"]] for p in per_size],
     }
     return {
         "what": "log_batch_job (ingest -> trajectories -> rewards -> advantages) on the real logs replicated",
