@@ -26,3 +26,21 @@ def test_a_turn_whose_call_did_not_parse_is_an_error_step_with_its_reason_in_the
     assert trajectory.steps[0].token_ids == [5, 6]  # still a training row: the outcome judges it
     clean = OpenRollout("r2", RolloutSettings(task_id="t"), [_turn(after_bad, good), _turn(after_good, answer)])
     assert "tool_call_errors" not in build_trajectory(clean, Outcome(success=True, score=1.0)).metadata
+
+
+def test_a_rollout_is_not_reaped_while_one_of_its_calls_is_being_served():
+    from flow_assets.gateway.capture import RolloutRecorder
+
+    now = [0.0]
+    recorder = RolloutRecorder(timeout_s=1.0, clock=lambda: now[0])
+    recorder.open(RolloutSettings(task_id="t"), "slow")
+    recorder.settings("slow", calling=True)  # a generation starts ...
+    now[0] = 50.0  # ... and takes far longer than the timeout
+    assert recorder.reap() == [] and recorder.open_count == 1
+    recorder.record("slow", _turn([{"role": "user", "content": "q"}], Choice([1], [-0.1], "a", "a", [], "stop")))
+    recorder.call_ended("slow")
+    now[0] = 50.5
+    assert recorder.reap() == []  # idle only since the call ended
+    now[0] = 52.0
+    ((trajectory, _),) = recorder.reap()
+    assert trajectory.metadata["error"]["kind"] == "not_finished" and len(trajectory.steps) == 1

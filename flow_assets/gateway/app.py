@@ -303,15 +303,23 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         return await _chat(body, rollout_id, x_session_id)
 
     async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None):
-        started = time.perf_counter()
         if req.stream:
             return _error(400, "stream=true is not supported by the flowopt gateway", param="stream")
-        settings = None
-        if rollout_id:
-            try:
-                settings = gateway.recorder.settings(rollout_id)
-            except RolloutError as exc:
-                return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        if not rollout_id:
+            return await _serve_call(req, None, None, session)
+        try:
+            # the call is activity from its start: a generation longer than the rollout timeout
+            # must not see its rollout reaped under it
+            settings = gateway.recorder.settings(rollout_id, calling=True)
+        except RolloutError as exc:
+            return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        try:
+            return await _serve_call(req, rollout_id, settings, session)
+        finally:
+            gateway.recorder.call_ended(rollout_id)
+
+    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+        started = time.perf_counter()
         name = settings.model if settings and settings.model else req.model
         try:
             # the live A/B's unit is the session: X-Session-ID, else OpenAI's `user`, else the

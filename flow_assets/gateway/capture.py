@@ -123,6 +123,7 @@ class OpenRollout:
     opened_at: float = 0.0
     last_activity: float = 0.0
     started_at: float = field(default_factory=time.time)
+    in_flight: int = 0  # calls being served now: the rollout is not idle, whatever their length
 
 
 class RolloutError(ValueError):
@@ -305,9 +306,10 @@ class RolloutRecorder:
             self._open[rollout_id] = OpenRollout(rollout_id, settings, opened_at=now, last_activity=now)
         return rollout_id
 
-    def settings(self, rollout_id: str) -> RolloutSettings:
+    def settings(self, rollout_id: str, calling: bool = False) -> RolloutSettings:
         """The settings of a rollout, opening it with defaults on its first call (a client that
-        only sends ``X-Agent-ID``).
+        only sends ``X-Agent-ID``). ``calling``: a call of the rollout starts; it counts as
+        activity and :meth:`reap` leaves the rollout alone until :meth:`call_ended`.
 
         Raises:
             RolloutError: the rollout was already finished.
@@ -315,10 +317,22 @@ class RolloutRecorder:
         with self._lock:
             if rollout_id in self._finished:
                 raise RolloutError(f"rollout {rollout_id!r} is already finished")
+            now = self.clock()
             if rollout_id not in self._open:
-                now = self.clock()
                 self._open[rollout_id] = OpenRollout(rollout_id, RolloutSettings(), opened_at=now, last_activity=now)
-            return self._open[rollout_id].settings
+            rollout = self._open[rollout_id]
+            if calling:
+                rollout.in_flight += 1
+                rollout.last_activity = now
+            return rollout.settings
+
+    def call_ended(self, rollout_id: str) -> None:
+        """A call begun with ``settings(..., calling=True)`` is over (served or failed)."""
+        with self._lock:
+            rollout = self._open.get(rollout_id)
+            if rollout is not None and rollout.in_flight > 0:
+                rollout.in_flight -= 1
+                rollout.last_activity = self.clock()
 
     def record(self, rollout_id: str, turn: Turn) -> None:
         """Append a served call to its rollout.
@@ -371,7 +385,7 @@ class RolloutRecorder:
         ``everything``, when the gateway stops)."""
         now = self.clock()
         with self._lock:
-            stale = [r for r in self._open.values() if everything or now - r.last_activity > self.timeout_s]
+            stale = [r for r in self._open.values() if everything or (not r.in_flight and now - r.last_activity > self.timeout_s)]
         landed = []
         for rollout in stale:
             message = (

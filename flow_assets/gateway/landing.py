@@ -24,6 +24,7 @@ gateway never takes a live gateway's new batch for an orphan.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -79,12 +80,29 @@ class RecoveredBatch:
     torn_bytes: int
 
 
+# a filesystem without flock (some FUSE mounts) or hard links: the batch is still written and
+# landed; only the guard against a second gateway on the same directory is lost (logged once)
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EPERM, errno.EXDEV, errno.EMLINK}
+_warned: set[str] = set()
+
+
+def _warn_once(what: str, exc: OSError) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning("the landing directory's filesystem does not support %s (%s): a gateway sharing it could "
+                    "take this gateway's open batch for a dead one's", what, exc.strerror or exc)  # fmt: skip
+
+
 def _try_lock(fd: int) -> bool:
     """Take the exclusive flock of ``fd`` without waiting; ``False``: a live process holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as exc:
+        if exc.errno not in _UNSUPPORTED:
+            raise
+        _warn_once("flock", exc)
     return True
 
 
@@ -207,11 +225,12 @@ class BatchLander:
             return target
 
     def _open_locked(self, tmp: Path, batch: str) -> int:
-        """A file descriptor appending to ``tmp``, holding its flock, the file created if need be.
+        """A file descriptor appending to a new file ``tmp``, holding its flock.
 
         The file is created under a hidden name, locked, then linked to ``tmp``: no other
-        gateway's :meth:`recover` can see it unlocked. An orphan already at ``tmp`` (a dead
-        gateway's) is landed first, as :meth:`recover` would.
+        gateway's :meth:`recover` can see it unlocked (where the filesystem has no hard links it
+        is created at ``tmp`` directly). An orphan already at ``tmp`` (a dead gateway's) is
+        landed first, as :meth:`recover` would.
 
         Raises:
             RuntimeError: a live gateway holds ``tmp``.
@@ -220,15 +239,28 @@ class BatchLander:
             hidden = tmp.with_name(f".{tmp.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.opening")
             fd = os.open(hidden, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                os.link(hidden, tmp)
+                _try_lock(fd)  # a fresh file: nobody else holds it
+                try:
+                    os.link(hidden, tmp)
+                except FileExistsError:
+                    raise
+                except OSError as exc:
+                    if exc.errno not in _UNSUPPORTED:
+                        raise
+                    _warn_once("hard links", exc)
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+                    _try_lock(fd)
                 return fd
             except FileExistsError:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 if self._recover_file(tmp, batch) is None:
                     raise RuntimeError(f"batch {batch!r} is open in another gateway sharing this landing directory") from None
             except BaseException:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 raise
             finally:
                 hidden.unlink(missing_ok=True)
