@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from flow_assets.untrusted import scrub_paths  # noqa: F401 (re-exported: the API's handlers scrub with it)
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -54,18 +55,6 @@ log = logging.getLogger("flowopt.api")
 
 #: the most calls one batch may hold unless the dispatcher is told otherwise
 DEFAULT_MAX_BATCH = 100
-
-# an absolute POSIX path: "/" not preceded by a word character, ".", ":" or "/" (so a URL's
-# "//host/route" and a ratio "1/2" are left alone), up to whitespace, a quote or a bracket
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"`,;()\[\]{}<>]+")
-
-
-def scrub_paths(text: str) -> str:
-    """``text`` with every absolute filesystem path replaced by ``<path>``: what the API returns
-    to a client (an error message, a job's ``reason``) must not show where the server keeps its
-    lake, models or instance."""
-    return _ABSOLUTE_PATH.sub("<path>", text)
-
 
 class RpcError(Exception):
     """An error a handler reports to the caller as a JSON-RPC error object (``code``, ``message``,

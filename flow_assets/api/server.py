@@ -21,7 +21,6 @@ the rest of an unread body is not waited for.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import time
@@ -38,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from flow_assets.api.export import ExportParams, export_trajectories
 from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams, log_event
 from flow_assets.api.jsonrpc import DEFAULT_MAX_BATCH, INVALID_REQUEST, UNAUTHORISED, Dispatcher
+from flow_assets.untrusted import authorised
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,6 @@ def training_dispatcher(service: JobService, export_dir: str | Path = ".exports"
     rpc.method("training.resume", JobParams)(service.resume)
     rpc.method("training.evaluate", EvaluateParams)(service.evaluate)
     return rpc
-
-
-def authorised(header: str | None, tokens: Sequence[str]) -> bool:
-    """Whether ``Authorization: Bearer <token>`` names one of ``tokens`` (constant-time compare;
-    no tokens configured means nobody is authorised)."""
-    if not header or not header.startswith("Bearer "):
-        return False
-    given = header[len("Bearer ") :].encode()
-    return any(hmac.compare_digest(given, t.encode()) for t in tokens if t)
 
 
 class _BodyRefused(Exception):

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -58,6 +57,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
+from flow_assets.untrusted import scrub_paths
 from flow_assets.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
 from flow_assets.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
 from flow_assets.gateway.guard import RequestGuard, RequestLimits
@@ -146,15 +146,6 @@ class Gateway:
             self.lander.close_all()
         else:
             self.lander.close_due()
-
-
-# an absolute path of two or more components: what a client must never see of the server's files
-_PATH = re.compile(r"(?<![\w.:/-])/(?:[^/\s'\"]+/)+[^/\s'\",;)]*")
-
-
-def scrub_paths(message: str) -> str:
-    """``message`` with every absolute filesystem path replaced by ``<path>``."""
-    return _PATH.sub("<path>", message)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):

@@ -4,7 +4,7 @@
 
 1. **Token**: when the gateway has tokens, every route but ``/health`` needs
    ``Authorization: Bearer <token>`` (checked from the headers alone with the training API's
-   :func:`~flow_assets.api.server.authorised`, a constant-time compare); otherwise HTTP 401 and
+   :func:`~flow_assets.untrusted.authorised`, a constant-time compare); otherwise HTTP 401 and
    the body is never read. OpenAI clients send their ``api_key`` this way.
 2. **Size**: a declared ``Content-Length`` over ``max_body_bytes`` is HTTP 413 at once, before any
    of the body is read; a chunked body is 413 as soon as what arrived passes the cap. No request
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from flow_assets.api.server import authorised
+from flow_assets.untrusted import authorised, json_depth
 
 #: routes that answer without a token (liveness probes of a load balancer)
 OPEN_PATHS = frozenset({"/health"})
@@ -59,20 +59,6 @@ class RequestLimits:
         for name in ("max_body_bytes", "body_timeout_s", "max_json_depth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-
-
-def json_depth(value: object) -> int:
-    """How deeply objects and arrays nest in a decoded JSON value (a scalar is 0, ``[]`` is 1);
-    iterative, so any depth is measured without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
 
 
 def too_deep(body: bytes, max_depth: int) -> bool:

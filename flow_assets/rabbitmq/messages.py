@@ -22,6 +22,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow_assets.logs.schema import FiniteFloat
+from flow_assets.untrusted import json_depth
 
 QUEUES = ("tasks", "responses", "rewards")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -78,24 +79,6 @@ def message_id(body: bytes, property_id: str | None) -> str:
     return property_id if property_id else "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-def nesting_depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether ``value`` (decoded JSON) nests objects / arrays deeper than ``limit`` levels (a
-    scalar is level 0, ``{}`` level 1). Iterative, so any depth is safe to check."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
 def parse_message(queue: str, body: bytes, max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_DEPTH) -> tuple[BaseModel | None, str | None]:
     """``(message, None)``, or ``(None, reason)`` with the reason naming the field, e.g.
     ``score: Input should be a finite number``. Never raises on any body: a body over
@@ -118,7 +101,7 @@ def parse_message(queue: str, body: bytes, max_bytes: int = MAX_MESSAGE_BYTES, m
         return None, f"body is not JSON: {exc}"
     if not isinstance(obj, dict):
         return None, f"body is a JSON {type(obj).__name__}, not an object"
-    if nesting_depth_exceeds(obj, max_depth):
+    if json_depth(obj) > max_depth:
         return None, f"body nests deeper than {max_depth} levels"
     try:
         return model.model_validate(obj), None
