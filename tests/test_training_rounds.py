@@ -39,11 +39,17 @@ OPEN_GATE = {"gate": {"min_gain": -1.0, "max_kl": 1e9}}
 
 
 def failure(result) -> str:
-    """The first step failure's message of an in-process run (for assertion messages)."""
+    """Every error an in-process run recorded (step failures, a failed run, engine errors), for
+    assertion messages: a round that fails only under load must say why in CI's log."""
+    errors = []
     for event in result.all_events:
-        if event.is_step_failure:
-            return event.step_failure_data.error.to_string()
-    return "no step failure recorded"
+        data = event.event_specific_data
+        error = getattr(data, "error", None)
+        if error is not None:
+            errors.append(f"{event.event_type_value} {event.step_key or ''}: {error.to_string()}")
+        elif event.is_step_failure or event.is_run_failure:
+            errors.append(f"{event.event_type_value} {event.step_key or ''}: {event.message}")
+    return "\n".join(errors) or "no error event recorded"
 
 
 class World:
@@ -285,12 +291,14 @@ def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tm
     (tmp_path / "home").mkdir()
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         collect = {"ops": {"rollouts": {"config": {"tasks_per_batch": 12, "group_size": 4}}}}
-        assert run_job(defs, instance, "collect_rollouts_job", run_config=collect).success
+        result = run_job(defs, instance, "collect_rollouts_job", run_config=collect)
+        assert result.success, failure(result)
         tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
         (key,) = tick.succeeded
         assert [r.partition_key for r in tick_sensor(defs, instance, "training_round_sensor").run_requests] == [key]
         config = {"ops": {"evaluation_report": {"config": {"max_tasks": 24, **OPEN_GATE}}}}
-        assert run_job(defs, instance, "training_round_job", key, config).success
+        result = run_job(defs, instance, "training_round_job", key, config)
+        assert result.success, failure(result)
     lake = TrajectoryLake(root=str(tmp_path / "lake"))
     steps, advantages = lake.read_partition("steps", key), lake.read_partition("step_advantages", key)
     turns = steps.join(advantages, on=["trajectory_id", "index"]).filter(pl.col("token_ids").is_not_null())
