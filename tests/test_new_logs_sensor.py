@@ -228,15 +228,24 @@ def _canonical_lines(n: int) -> list[bytes]:
         return [r.encode() + b"\n" for chunk in stream for r in chunk.valid["record_json"].to_list()][:n]
 
 
-def test_a_file_that_grows_after_its_writer_paused_past_the_settle_time_lands_each_record_once(tmp_path, dagster_instance):
-    landing, lake = tmp_path / "landing", tmp_path / "lake"
+def _early_batch(tmp_path, instance, head: bytes):
+    """A landing whose file ``agent/runs.jsonl`` holds ``head`` (the start of a log) when the
+    sensor first ticks: ``(defs, target file, the early batch's key, the tick)``."""
+    landing = tmp_path / "landing"
     (landing / "agent").mkdir(parents=True)
-    defs = build_definitions(str(lake), str(landing), settle_seconds=0)
-    lines = _canonical_lines(30)
+    defs = build_definitions(str(tmp_path / "lake"), str(landing), settle_seconds=0)
     target = landing / "agent" / "runs.jsonl"
-    target.write_bytes(b"".join(lines[:11]) + lines[11][:50])  # the writer pauses mid-line, past the settle time
-    first = _tick(defs, dagster_instance)
+    target.write_bytes(head)
+    first = _tick(defs, instance)
     (early,) = [r.partition_key for r in first.run_requests]
+    return defs, target, early, first
+
+
+def test_a_file_that_grows_after_its_writer_paused_past_the_settle_time_lands_each_record_once(tmp_path, dagster_instance):
+    lake = tmp_path / "lake"
+    lines = _canonical_lines(30)
+    # the writer pauses mid-line, past the settle time
+    defs, target, early, first = _early_batch(tmp_path, dagster_instance, b"".join(lines[:11]) + lines[11][:50])
     assert run_job(defs, dagster_instance, "log_batch_job", early).success
     with target.open("ab") as fh:  # ... and goes on: 19 more records and the rest of the torn one
         fh.write(lines[11][50:] + b"".join(lines[12:]))
@@ -255,14 +264,8 @@ def test_a_file_that_grows_after_its_writer_paused_past_the_settle_time_lands_ea
 def test_a_grown_file_waits_while_the_run_of_its_early_batch_is_unfinished(tmp_path, dagster_instance):
     from dagster import DagsterRun, DagsterRunStatus
 
-    landing, lake = tmp_path / "landing", tmp_path / "lake"
-    (landing / "agent").mkdir(parents=True)
-    defs = build_definitions(str(lake), str(landing), settle_seconds=0)
     lines = _canonical_lines(4)
-    target = landing / "agent" / "runs.jsonl"
-    target.write_bytes(b"".join(lines[:2]))
-    first = _tick(defs, dagster_instance)
-    (early,) = [r.partition_key for r in first.run_requests]
+    defs, target, early, first = _early_batch(tmp_path, dagster_instance, b"".join(lines[:2]))
     run = dagster_instance.add_run(DagsterRun(job_name="log_batch_job", run_id="0" * 36, tags={"dagster/partition": early},
                                               status=DagsterRunStatus.STARTED))  # fmt: skip
     with target.open("ab") as fh:
