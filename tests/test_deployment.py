@@ -93,3 +93,4 @@ def test_a_slow_code_server_delays_runs_instead_of_failing_them(tmp_path):
     queue = instance.get_concurrency_config().run_queue_config
     assert instance.code_server_process_startup_timeout >= 600
     assert queue.max_user_code_failure_retries >= 3 and queue.max_concurrent_runs == 4
+    assert instance.run_coordinator.dequeue_interval_seconds == 1  # a round's runs wait 0-1 s each, not 0-5 s
