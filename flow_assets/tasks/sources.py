@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol
 
-import reasoning_gym
-
 Split = Literal["train", "held_out"]
 
 
@@ -126,6 +124,10 @@ class ReasoningGymSource:
     """
 
     def __init__(self, config: ReasoningGymSourceConfig | None = None):
+        # imported here, not at the top: it pulls in matplotlib (via cellpylib), and every process
+        # that loads the code location imports this module whether or not it uses reasoning-gym
+        import reasoning_gym
+
         self.config = config or ReasoningGymSourceConfig()
         c = self.config
         self.dataset = reasoning_gym.create_dataset(c.name, size=c.size, seed=c.seed, **c.dataset_config)
