@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flow_assets.policy.sampling import Rollout, SamplingConfig
+from flow_assets.policy.configs import Rollout, SamplingConfig
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 No Dagster import lives here. Modules, one concept each:
 
+- ``configs``: the settings of the modules below and the records they hand on, as plain dataclasses
+  (no torch: the code location builds its run configs from them).
 - ``tokenizer``: a character-level tokenizer saved as a Hugging Face tokenizer directory.
 - ``tiny_model``: a tiny Llama-style causal LM for CPU tests and the demo, saved with ``save_pretrained``.
 - ``lora``: wrap a base model with a PEFT LoRA adapter; save and load adapter directories.

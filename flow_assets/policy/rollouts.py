@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import orjson
 import polars as pl
 
-from flow_assets.policy.trainer import TrainingSample
+from flow_assets.policy.configs import TrainingSample
 
 
 def batch_id_for(adapter_version: str, task_ids: Sequence[str], seed: int) -> str:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,58 +57,7 @@ from transformers import (
     StaticCache,
 )
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How rollouts are drawn.
-
-    Attributes:
-        num_samples: completions per prompt (the GRPO group size ``G``); 8 as in the flowopt demo.
-        temperature: softmax temperature ``T``; ``0`` means greedy decoding (one argmax completion
-            repeated ``num_samples`` times, so use ``num_samples=1`` with it).
-        top_p: nucleus sampling threshold; ``1.0`` disables it (and keeps the returned log-probs the
-            exact sampling log-probs).
-        max_new_tokens: cap on completion length in tokens, ``<eos>`` included.
-        seed: seeds the sampling RNG; same model + prompts + config gives the same rollouts. The
-            caller's global torch RNG state is left as it was.
-        max_batch_size: most sequences per ``generate`` call (memory bound); prompts x samples
-            beyond it are split into several calls.
-    """
-
-    num_samples: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-    seed: int = 0
-    max_batch_size: int = 1024
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled completion of one prompt.
-
-    Attributes:
-        prompt_index: index of the prompt in the input list.
-        sample_index: ``0 .. num_samples-1`` within that prompt's group.
-        prompt: the prompt text.
-        prompt_ids: the prompt's token ids as fed to the model (``<bos>`` first), unpadded.
-        completion_ids: sampled token ids, up to and including the first ``<eos>`` if any.
-        completion_text: ``completion_ids`` decoded without special tokens.
-        logprobs: ``[len(completion_ids)]`` behaviour log-probs (natural log), see module docstring.
-        finished: the completion ended with ``<eos>`` (else it hit ``max_new_tokens``).
-        error: ``None``, or why this sample has no usable completion (then ``completion_ids`` and
-            ``logprobs`` are empty); the other samples of the batch are unaffected.
-    """
-
-    prompt_index: int
-    sample_index: int
-    prompt: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    completion_text: str
-    logprobs: list[float]
-    finished: bool
-    error: str | None = None
+from flow_assets.policy.configs import Rollout, SamplingConfig
 
 
 def _generation_config(max_new_tokens: int, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:

@@ -19,35 +19,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flow_assets.policy.configs import SFTConfig
 from flow_assets.policy.sampling import completion_logprobs
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """Settings of the supervised warm start.
-
-    Attributes:
-        steps: optimizer steps. With raw prompts (``"neon="``), 150 steps of 64 on 1000
-            spell_backward demonstrations gave held-out success 30-53% at temperature 1 over six
-            seeds (greedy 42-64%). Rendered with the compact chat template (``U:neon=\\nA:``, as
-            the gateway serves it) the same 150 steps solve far more (measured, seeds 0 / 1:
-            sampled 0.95 / 0.92, greedy 0.99 / 0.97; 60 steps: 0.67 / 0.34 sampled), so the demo
-            warm-starts spell_backward with 50 steps to leave GRPO room.
-        learning_rate: AdamW learning rate (constant); 3e-3 suits a freshly initialised tiny model.
-        batch_size: demonstrations per step; the data are reshuffled every pass (epoch). 64 rather
-            than 32 made the warm start much less seed-dependent on the tiny model.
-        weight_decay: AdamW decoupled weight decay.
-        max_grad_norm: gradients are clipped to this global L2 norm.
-        seed: seeds the minibatch order (numpy ``Generator``); same inputs + config give the same
-            model.
-    """
-
-    steps: int = 150
-    learning_rate: float = 3e-3
-    batch_size: int = 64
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
 
 
 @dataclass

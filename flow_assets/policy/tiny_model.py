@@ -15,7 +15,6 @@ headroom for GRPO; with 4 heads the warm start stalled far more often (seed-depe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,38 +29,8 @@ from transformers import (
 )
 
 from flow_assets.policy.attention import attention_implementation
+from flow_assets.policy.configs import TinyModelConfig
 from flow_assets.policy.tokenizer import CharTokenizerConfig, build_char_tokenizer
-
-
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """Size and initialisation of the tiny policy.
-
-    Attributes:
-        hidden_size: width of the residual stream (model dimension).
-        intermediate_size: width of the SwiGLU MLP.
-        num_hidden_layers: number of decoder blocks.
-        num_attention_heads: attention heads per block (``hidden_size`` must divide by it); key/value
-            heads are the same number (no grouped-query attention at this size).
-        max_position_embeddings: longest sequence in tokens (prompt + completion); also written into
-            the tokenizer as ``model_max_length``. 128 holds a two-turn tool conversation of the
-            built-in calculator agent (~60 characters) with room to spare; rotary positions
-            have no parameters, so the size costs nothing until it is used.
-        rope_theta: rotary embedding base.
-        initializer_range: std of the normal initialisation of the weights.
-        tie_word_embeddings: share the input embedding and the output head (fewer parameters).
-        seed: seed of the weight initialisation; same config + seed gives bit-identical weights.
-    """
-
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 8
-    max_position_embeddings: int = 128
-    rope_theta: float = 10000.0
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = True
-    seed: int = 0
 
 
 def llama_config(config: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:

@@ -59,7 +59,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 import torch
@@ -67,85 +67,11 @@ from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from flow_assets.policy.configs import GRPOTrainerConfig, TrainingSample
 from flow_assets.policy.sampling import completion_logprobs
-from flow_assets.rl.grpo_loss import GRPOLossConfig, grpo_loss
+from flow_assets.rl.grpo_loss import grpo_loss
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-@dataclass(frozen=True)
-class TrainingSample:
-    """One scored completion, token in / token out.
-
-    Attributes:
-        prompt_ids: prompt token ids exactly as fed to the sampler (``<bos>`` first).
-        completion_ids: sampled completion token ids (``<eos>`` included when produced).
-        advantage: the completion's (group-relative) advantage; broadcast over its tokens.
-        behaviour_logprobs: ``[len(completion_ids)]`` log-probs at sampling time, or ``None`` (then the
-            importance ratio is 1 at the current parameters).
-        task_id: the group it came from (informational).
-        temperature: the temperature the completion was sampled at (``0`` = greedy, scored at
-            1). The behaviour log-probs are ``log_softmax(logits / T)``; the trainer divides the
-            new policy's logits by the same ``T``, so the importance ratio compares like with
-            like (TRL does the same with its one ``GRPOConfig.temperature``). A log without the
-            temperature is read as ``T = 1``.
-    """
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    advantage: float
-    behaviour_logprobs: list[float] | None = None
-    task_id: str | None = None
-    temperature: float = 1.0
-
-
-@dataclass(frozen=True)
-class GRPOTrainerConfig:
-    """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
-
-    Attributes:
-        output_dir: where ``checkpoint-<step>/`` directories go.
-        learning_rate: AdamW learning rate (constant). 1e-3 for LoRA on the tiny model: 2e-3
-            oscillated and ended lower, 3e-3 and above degraded or collapsed the policy within
-            ~10 rounds (measured on spell_backward); real models want ~1e-5 to 1e-4.
-        weight_decay: AdamW decoupled weight decay (0: the adapter starts at zero anyway).
-        num_epochs: passes over the round's samples (PPO-style reuse; with behaviour log-probs the
-            importance ratio and clipping keep later passes close to the sampling policy).
-        minibatch_size: completions per optimizer step. 256 (32 groups of 8) on the tiny model
-            gave steady curves; smaller minibatches are noisier, and were where higher learning
-            rates collapsed first.
-        micro_batch_size: completions per forward/backward pass, their gradients accumulated
-            into the step (TRL's ``per_device_train_batch_size`` with
-            ``gradient_accumulation_steps``); ``None`` = the whole minibatch at once. Memory, not
-            the result, decides it: SmolLM2-135M with LoRA on 64 rows of 128 tokens needed 10 GB
-            in micro-batches of 16 and more than 24 GB at once.
-        max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
-        max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
-        loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
-        seed: seeds minibatch order and the torch/numpy/python RNGs at the start of the round.
-        checkpoint_every: save a checkpoint every this many steps (and always at the last step).
-        keep_best: number of best checkpoints kept by ``best_metric`` (the latest is kept besides).
-        best_metric: :class:`StepMetrics` field averaged over the steps since the previous
-            checkpoint; the retention score of a checkpoint. Default ``"loss"``: note that the GRPO
-            surrogate's value is a weak quality signal (held-out evaluation picks the candidate);
-            retention only bounds disk use.
-        best_mode: ``"min"`` keeps the lowest scores, ``"max"`` the highest.
-    """
-
-    output_dir: str = "checkpoints"
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    num_epochs: int = 1
-    minibatch_size: int = 256
-    micro_batch_size: int | None = None
-    max_steps: int | None = None
-    max_grad_norm: float = 1.0
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    seed: int = 0
-    checkpoint_every: int = 50
-    keep_best: int = 5
-    best_metric: str = "loss"
-    best_mode: Literal["min", "max"] = "min"
 
 
 @dataclass(frozen=True)

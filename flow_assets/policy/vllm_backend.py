@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flow_assets.policy.sampling import Rollout, SamplingConfig
+from flow_assets.policy.configs import Rollout, SamplingConfig
 
 
 class VLLMSampler:

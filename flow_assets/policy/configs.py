@@ -1,0 +1,205 @@
+"""The policy's settings and the records it hands on, as plain dataclasses (no torch, no transformers).
+
+They live apart from the code that uses them (:mod:`~flow_assets.policy.sampling`,
+:mod:`~flow_assets.policy.tiny_model`, :mod:`~flow_assets.policy.sft`,
+:mod:`~flow_assets.policy.trainer`) because the code location needs them without that code:
+Dagster's run configs are generated from the configs when the definitions load, and the gateway's
+batcher and :mod:`~flow_assets.policy.rollouts` (lake rows to training samples) build the records.
+Importing torch and transformers costs seconds, and every run, sensor and code server process
+loads the code location first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flow_assets.rl.grpo_config import GRPOLossConfig
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How rollouts are drawn.
+
+    Attributes:
+        num_samples: completions per prompt (the GRPO group size ``G``); 8 as in the flowopt demo.
+        temperature: softmax temperature ``T``; ``0`` means greedy decoding (one argmax completion
+            repeated ``num_samples`` times, so use ``num_samples=1`` with it).
+        top_p: nucleus sampling threshold; ``1.0`` disables it (and keeps the returned log-probs the
+            exact sampling log-probs).
+        max_new_tokens: cap on completion length in tokens, ``<eos>`` included.
+        seed: seeds the sampling RNG; same model + prompts + config gives the same rollouts. The
+            caller's global torch RNG state is left as it was.
+        max_batch_size: most sequences per ``generate`` call (memory bound); prompts x samples
+            beyond it are split into several calls.
+    """
+
+    num_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    seed: int = 0
+    max_batch_size: int = 1024
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion of one prompt.
+
+    Attributes:
+        prompt_index: index of the prompt in the input list.
+        sample_index: ``0 .. num_samples-1`` within that prompt's group.
+        prompt: the prompt text.
+        prompt_ids: the prompt's token ids as fed to the model (``<bos>`` first), unpadded.
+        completion_ids: sampled token ids, up to and including the first ``<eos>`` if any.
+        completion_text: ``completion_ids`` decoded without special tokens.
+        logprobs: ``[len(completion_ids)]`` behaviour log-probs (natural log), see
+            :mod:`~flow_assets.policy.sampling`.
+        finished: the completion ended with ``<eos>`` (else it hit ``max_new_tokens``).
+        error: ``None``, or why this sample has no usable completion (then ``completion_ids`` and
+            ``logprobs`` are empty); the other samples of the batch are unaffected.
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_text: str
+    logprobs: list[float]
+    finished: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Size and initialisation of the tiny policy.
+
+    Attributes:
+        hidden_size: width of the residual stream (model dimension).
+        intermediate_size: width of the SwiGLU MLP.
+        num_hidden_layers: number of decoder blocks.
+        num_attention_heads: attention heads per block (``hidden_size`` must divide by it); key/value
+            heads are the same number (no grouped-query attention at this size).
+        max_position_embeddings: longest sequence in tokens (prompt + completion); also written into
+            the tokenizer as ``model_max_length``. 128 holds a two-turn tool conversation of the
+            built-in calculator agent (~60 characters) with room to spare; rotary positions
+            have no parameters, so the size costs nothing until it is used.
+        rope_theta: rotary embedding base.
+        initializer_range: std of the normal initialisation of the weights.
+        tie_word_embeddings: share the input embedding and the output head (fewer parameters).
+        seed: seed of the weight initialisation; same config + seed gives bit-identical weights.
+    """
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 128
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Settings of the supervised warm start.
+
+    Attributes:
+        steps: optimizer steps. With raw prompts (``"neon="``), 150 steps of 64 on 1000
+            spell_backward demonstrations gave held-out success 30-53% at temperature 1 over six
+            seeds (greedy 42-64%). Rendered with the compact chat template (``U:neon=\\nA:``, as
+            the gateway serves it) the same 150 steps solve far more (measured, seeds 0 / 1:
+            sampled 0.95 / 0.92, greedy 0.99 / 0.97; 60 steps: 0.67 / 0.34 sampled), so the demo
+            warm-starts spell_backward with 50 steps to leave GRPO room.
+        learning_rate: AdamW learning rate (constant); 3e-3 suits a freshly initialised tiny model.
+        batch_size: demonstrations per step; the data are reshuffled every pass (epoch). 64 rather
+            than 32 made the warm start much less seed-dependent on the tiny model.
+        weight_decay: AdamW decoupled weight decay.
+        max_grad_norm: gradients are clipped to this global L2 norm.
+        seed: seeds the minibatch order (numpy ``Generator``); same inputs + config give the same
+            model.
+    """
+
+    steps: int = 150
+    learning_rate: float = 3e-3
+    batch_size: int = 64
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One scored completion, token in / token out.
+
+    Attributes:
+        prompt_ids: prompt token ids exactly as fed to the sampler (``<bos>`` first).
+        completion_ids: sampled completion token ids (``<eos>`` included when produced).
+        advantage: the completion's (group-relative) advantage; broadcast over its tokens.
+        behaviour_logprobs: ``[len(completion_ids)]`` log-probs at sampling time, or ``None`` (then the
+            importance ratio is 1 at the current parameters).
+        task_id: the group it came from (informational).
+        temperature: the temperature the completion was sampled at (``0`` = greedy, scored at
+            1). The behaviour log-probs are ``log_softmax(logits / T)``; the trainer divides the
+            new policy's logits by the same ``T``, so the importance ratio compares like with
+            like (TRL does the same with its one ``GRPOConfig.temperature``). A log without the
+            temperature is read as ``T = 1``.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    behaviour_logprobs: list[float] | None = None
+    task_id: str | None = None
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class GRPOTrainerConfig:
+    """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
+
+    Attributes:
+        output_dir: where ``checkpoint-<step>/`` directories go.
+        learning_rate: AdamW learning rate (constant). 1e-3 for LoRA on the tiny model: 2e-3
+            oscillated and ended lower, 3e-3 and above degraded or collapsed the policy within
+            ~10 rounds (measured on spell_backward); real models want ~1e-5 to 1e-4.
+        weight_decay: AdamW decoupled weight decay (0: the adapter starts at zero anyway).
+        num_epochs: passes over the round's samples (PPO-style reuse; with behaviour log-probs the
+            importance ratio and clipping keep later passes close to the sampling policy).
+        minibatch_size: completions per optimizer step. 256 (32 groups of 8) on the tiny model
+            gave steady curves; smaller minibatches are noisier, and were where higher learning
+            rates collapsed first.
+        micro_batch_size: completions per forward/backward pass, their gradients accumulated
+            into the step (TRL's ``per_device_train_batch_size`` with
+            ``gradient_accumulation_steps``); ``None`` = the whole minibatch at once. Memory, not
+            the result, decides it: SmolLM2-135M with LoRA on 64 rows of 128 tokens needed 10 GB
+            in micro-batches of 16 and more than 24 GB at once.
+        max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
+        max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
+        loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
+        seed: seeds minibatch order and the torch/numpy/python RNGs at the start of the round.
+        checkpoint_every: save a checkpoint every this many steps (and always at the last step).
+        keep_best: number of best checkpoints kept by ``best_metric`` (the latest is kept besides).
+        best_metric: :class:`~flow_assets.policy.trainer.StepMetrics` field averaged over the steps
+            since the previous checkpoint; the retention score of a checkpoint. Default ``"loss"``: note that the GRPO
+            surrogate's value is a weak quality signal (held-out evaluation picks the candidate);
+            retention only bounds disk use.
+        best_mode: ``"min"`` keeps the lowest scores, ``"max"`` the highest.
+    """
+
+    output_dir: str = "checkpoints"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    num_epochs: int = 1
+    minibatch_size: int = 256
+    micro_batch_size: int | None = None
+    max_steps: int | None = None
+    max_grad_norm: float = 1.0
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_best: int = 5
+    best_metric: str = "loss"
+    best_mode: Literal["min", "max"] = "min"
