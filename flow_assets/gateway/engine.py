@@ -22,13 +22,14 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from peft import PeftModel
-from transformers import AutoConfig, AutoTokenizer
+from typing import TYPE_CHECKING
 
 from flow_assets.policy.chat import ChatFormat, chat_format
-from flow_assets.policy.sampling import Rollout, SamplingConfig, sample_token_ids
-from flow_assets.policy.tiny_model import load_policy
+
+if TYPE_CHECKING:  # annotations only: peft and torch cost seconds in every process that loads the code location
+    from peft import PeftModel
+
+    from flow_assets.policy.configs import Rollout, SamplingConfig
 
 
 class UnknownModelError(KeyError):
@@ -152,6 +153,8 @@ class PolicyEngine:
         self.backend = backend
         self._vllm = None
         if backend == "vllm":
+            from transformers import AutoConfig, AutoTokenizer
+
             from flow_assets.policy.vllm_backend import VLLMSampler
 
             self._vllm = VLLMSampler(str(base_path), max_lora_rank=max_lora_rank)
@@ -159,6 +162,8 @@ class PolicyEngine:
             self.base, self.tokenizer = None, AutoTokenizer.from_pretrained(str(base_path))
             self.config = AutoConfig.from_pretrained(str(base_path))
         else:
+            from flow_assets.policy.tiny_model import load_policy
+
             self.base, self.tokenizer = load_policy(base_path)
             self.config = self.base.config
         # the gateway checks prompt + completion against the model's positions itself (a 400 for
@@ -183,6 +188,8 @@ class PolicyEngine:
             self._counter += 1
             name = f"adapter{self._counter}"
             if self.model is None:
+                from peft import PeftModel
+
                 self.model = PeftModel.from_pretrained(self.base, path, adapter_name=name, is_trainable=False)
             else:
                 self.model.load_adapter(path, adapter_name=name, is_trainable=False)
@@ -210,6 +217,8 @@ class PolicyEngine:
         """
         if self._vllm is not None:
             return self._vllm.generate(adapter_path, prompt_ids, config, temperatures, top_ps)
+        from flow_assets.policy.sampling import sample_token_ids
+
         return sample_token_ids(
             self._activate(adapter_path), self.tokenizer, prompt_ids, config, temperatures=temperatures, top_ps=top_ps
         )

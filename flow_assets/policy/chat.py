@@ -51,12 +51,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-from transformers import PreTrainedTokenizerBase
 
 from flow_assets.policy.tool_calls import ToolCallFormat
+
+if TYPE_CHECKING:  # annotations only: transformers costs seconds in every process that loads the code location
+    from transformers import PreTrainedTokenizerBase
 
 #: the tiny model's chat template (module docstring); saved with its tokenizer
 COMPACT_CHAT_TEMPLATE = (

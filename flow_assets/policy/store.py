@@ -14,8 +14,6 @@ from pathlib import Path
 from flow_assets.gateway.app import Gateway, GatewayConfig
 from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine
 from flow_assets.gateway.server import GatewayServer
-from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter, load_lora_adapter
-from flow_assets.policy.tiny_model import load_policy
 
 
 @dataclass(frozen=True)
@@ -61,6 +59,11 @@ class PolicyStore:
         Raises:
             OSError: the base model or adapter directory is missing or unreadable.
         """
+        # torch, transformers and peft load here, not with the module: the code location imports
+        # this module, and most of its runs never load a model
+        from flow_assets.policy.lora import load_lora_adapter
+        from flow_assets.policy.tiny_model import load_policy
+
         model, tokenizer = load_policy(self.base_path)
         if adapter_path is None:
             return model, tokenizer
@@ -68,6 +71,8 @@ class PolicyStore:
 
     def new_adapter(self, model):
         """Wrap ``model`` in a fresh LoRA adapter (B = 0, so it starts as the identity)."""
+        from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter
+
         return add_lora_adapter(model, LoraAdapterConfig(rank=self.lora_rank, alpha=self.lora_alpha))
 
     def make_gateway(
