@@ -24,28 +24,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import polars as pl
-import torch
 
 from flow_assets.atomic import write_json_atomic
 from flow_assets.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
 from flow_assets.gateway.app import GatewayConfig
 from flow_assets.gateway.engine import AdapterRef
 from flow_assets.policy.chat import conversation_rows
-from flow_assets.policy.lora import save_lora_adapter
+from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
 from flow_assets.policy.rollouts import batch_id_for, training_samples
-from flow_assets.policy.sampling import completion_logprobs
-from flow_assets.policy.sft import SFTConfig, sft_on_rows
 from flow_assets.policy.store import PolicyStore
-from flow_assets.policy.tiny_model import TinyModelConfig, save_tiny_policy
-from flow_assets.policy.trainer import CheckpointMismatch, GRPOTrainerConfig, StepMetrics, TrainingSample, config_to_dict, train_grpo_round
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
-from flow_assets.rl.grpo_loss import k3_kl
 from flow_assets.tasks.sources import Task, TaskSource
+
+# The model code (torch, transformers, peft) is imported inside the functions that train, sample or
+# save a model: the code location imports this module, and its sensors and data-plane runs never
+# touch a model, so they should not pay seconds of imports for one.
+if TYPE_CHECKING:
+    from flow_assets.policy.trainer import StepMetrics
 
 
 class Registry(Protocol):
@@ -106,6 +106,9 @@ def build_base_policy(
     Raises:
         ValueError: no demonstrations.
     """
+    from flow_assets.policy.sft import sft_on_rows
+    from flow_assets.policy.tiny_model import save_tiny_policy
+
     if store.base_path.exists():
         shutil.rmtree(store.base_path)
     save_tiny_policy(store.base_path, model)
@@ -124,6 +127,8 @@ def build_base_policy(
 def register_identity_adapter(store: PolicyStore, registry: Registry, by: str, reason: str) -> str:
     """Save a fresh (identity) LoRA adapter on the base model as ``v0`` and register it as the
     champion. Returns its directory."""
+    from flow_assets.policy.lora import save_lora_adapter
+
     base, _ = store.load()
     v0 = store.adapter_dir("v0")
     if v0.exists():
@@ -300,6 +305,11 @@ def kl_to_behaviour(
     taken over that many rows drawn without replacement (``seed``), still unbiased; rows are
     scored ``micro_batch_size`` at a time (memory).
     """
+    import torch
+
+    from flow_assets.policy.sampling import completion_logprobs
+    from flow_assets.rl.grpo_loss import k3_kl
+
     with_lp = [s for s in samples if s.behaviour_logprobs and s.completion_ids]
     if not with_lp:
         return 0.0
@@ -350,6 +360,9 @@ def train_candidate(
     Raises:
         RoundError: no champion, or the batch holds no trainable turn of ``agent_id``.
     """
+    from flow_assets.policy.lora import save_lora_adapter
+    from flow_assets.policy.trainer import CheckpointMismatch, config_to_dict, train_grpo_round
+
     samples = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
     if not samples:
         raise RoundError(f"batch {batch} has no turns of the trainable agent {agent_id!r} with token ids")

@@ -44,9 +44,7 @@ from flow_assets.history import history_chart, vega_lite_spec
 from flow_assets.history import training_history as training_history_table
 from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
-from flow_assets.policy.sft import SFTConfig
-from flow_assets.policy.tiny_model import TinyModelConfig
-from flow_assets.policy.trainer import GRPOTrainerConfig, TrainingPaused, config_to_dict
+from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig
 from flow_assets.api.jobs import PAUSED_TAG, pause_requested
 from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
@@ -205,7 +203,7 @@ def _check_job_budget(context: AssetExecutionContext, lake: TrajectoryLake) -> N
 
 
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"pytorch"}, deps=[advantages, champion], pool=POOL,
-       owners=TRAINING_OWNERS, code_version=code_version("flow_assets.rl.grpo_loss", "flow_assets.policy", "flow_assets.rounds"))
+       owners=TRAINING_OWNERS, code_version=code_version("flow_assets.rl.grpo_loss", "flow_assets.rl.grpo_config", "flow_assets.policy", "flow_assets.rounds"))
 def policy_checkpoint(
     context: AssetExecutionContext,
     config: TrainConfig,
@@ -218,6 +216,9 @@ def policy_checkpoint(
     """A candidate LoRA adapter: the champion trained on this batch's turn rows with the clipped
     GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
     Each step is logged to the run log and, when set, to the experiment tracker."""
+    # the trainer (torch) loads with the run that trains, not with the code location
+    from flow_assets.policy.trainer import TrainingPaused, config_to_dict
+
     key = context.partition_key
     # the sensor and the API refuse such a batch; a round launched from the UI or the CLI must too
     if failed := failed_data_checks(context.instance, key):
