@@ -1,0 +1,88 @@
+"""The code location loads without the ML stack.
+
+Every run the Dagster daemon launches, every sensor evaluation and the code server import the code
+location first; torch, transformers and the rest cost seconds there, paid per process. Each check
+runs a fresh interpreter (a module an earlier test imported would hide an import), imports the
+modules, and reports which heavy packages ended up in ``sys.modules`` and the flowopt lines that
+first imported each.
+"""
+
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import resources
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HEAVY = ("torch", "transformers", "peft", "trl", "reasoning_gym", "matplotlib", "tokenizers", "safetensors", "accelerate", "vllm")
+
+CODE_LOCATION = [
+    "flow_assets.definitions",
+    "sensors.new_logs",
+    "sensors.training",
+    "sensors.self_play",
+    "sensors.ab_monitor",
+    *(f"resources.{m.name}" for m in pkgutil.iter_modules(resources.__path__)),
+]
+
+_CHILD = r"""
+import importlib, importlib.abc, json, sys, traceback
+
+heavy, root, modules, resolve_jobs = json.loads(sys.argv[1])
+importers = {}
+
+
+class Watch(importlib.abc.MetaPathFinder):
+    # the last lookup of a package before it loads is its import: a probe (polars asks for
+    # torch with importlib.util.find_spec) looks it up without loading it
+    def find_spec(self, name, path=None, target=None):
+        if name in heavy and name not in sys.modules:
+            importers[name] = [
+                f"{f.filename[len(root) + 1:]}:{f.lineno}"
+                for f in traceback.extract_stack()[:-1]
+                if f.filename.startswith(root + "/") and "/.venv/" not in f.filename
+            ]
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+for name in modules:
+    importlib.import_module(name)
+jobs = []
+if resolve_jobs:
+    from flow_assets.definitions import defs
+
+    jobs.append(defs.resolve_job_def("training_round_job").name)
+    jobs += [job.name for job in defs.resolve_all_job_defs()]
+print(json.dumps({"heavy": {name: importers.get(name, []) for name in heavy if name in sys.modules}, "jobs": jobs}))
+"""
+
+
+def _fresh_import(modules: list[str], resolve_jobs: bool = False) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps([HEAVY, str(ROOT), modules, resolve_jobs])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _describe(heavy: dict[str, list[str]]) -> str:
+    return "; ".join(f"{name} (first imported at {' > '.join(chain) or 'no flowopt line'})" for name, chain in heavy.items())
+
+
+def test_the_code_location_and_its_jobs_load_without_the_ml_stack():
+    found = _fresh_import(CODE_LOCATION, resolve_jobs=True)
+    assert not found["heavy"], f"loading the code location imports {_describe(found['heavy'])}"
+    assert found["jobs"][0] == "training_round_job"
+    assert {"log_batch_job", "base_policy_job", "collect_rollouts_job", "ab_test_job"} <= set(found["jobs"])
+
+
+def test_the_check_names_a_heavy_import_and_its_importer():
+    # a module that does import part of the stack: the check above cannot pass by seeing nothing
+    found = _fresh_import(["flow_assets.policy.tokenizer"])["heavy"]
+    assert {"tokenizers", "transformers"} <= set(found), found
+    assert found["tokenizers"][-1].startswith("flow_assets/policy/tokenizer.py:"), found
