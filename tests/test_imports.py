@@ -17,7 +17,7 @@ import resources
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HEAVY = ("torch", "transformers", "peft", "trl", "reasoning_gym", "matplotlib", "tokenizers", "safetensors", "accelerate", "vllm")
+HEAVY = ("torch", "transformers", "peft", "trl", "reasoning_gym", "matplotlib", "tokenizers", "safetensors", "accelerate", "vllm", "openai")
 
 CODE_LOCATION = [
     "flow_assets.definitions",

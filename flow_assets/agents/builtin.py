@@ -9,11 +9,14 @@ answers, and at which temperature during collection or evaluation, is the harnes
 
 from __future__ import annotations
 
-from openai import AsyncOpenAI
+from typing import TYPE_CHECKING
 
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
 from flow_assets.tasks.word_problems import WORKED_EXAMPLES
 from flow_assets.tasks.sources import Task
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 
 async def one_turn_agent(client: AsyncOpenAI, task: Task) -> str | None:

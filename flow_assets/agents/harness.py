@@ -25,15 +25,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
-import openai
 
 from flow_assets.imports import import_function
 from flow_assets.tasks.sources import Task
 
-AgentFn = Callable[[openai.AsyncOpenAI, Task], Awaitable[str | None]]
+if TYPE_CHECKING:  # openai costs ~0.5 s to import; the code location must load without it
+    import openai
+
+AgentFn = Callable[["openai.AsyncOpenAI", Task], Awaitable[str | None]]
 ScoreFn = Callable[[Task, str | None], float]
 
 
@@ -146,6 +148,8 @@ async def run_rollouts(
     Raises:
         GatewayError: the gateway refused to open or finish the rollouts.
     """
+    from openai import AsyncOpenAI
+
     config = config or HarnessConfig()
     tag = batch or f"eval-{uuid.uuid4().hex[:8]}"
     specs = [(task, g, f"{tag}-{i}-{g}-{uuid.uuid4().hex[:8]}") for i, task in enumerate(tasks) for g in range(group_size)]
@@ -179,7 +183,7 @@ async def run_rollouts(
             # shared by hundreds of agents scans every connection on each request: measured at
             # half the harness's time with 256 agents)
             async with semaphore, httpx2.AsyncClient(base_url=base_url, timeout=config.timeout_s + 60, verify=tls) as own:
-                client = openai.AsyncOpenAI(
+                client = AsyncOpenAI(
                     base_url=f"{base_url}/v1", api_key="flowopt", default_headers={"X-Agent-ID": rid},
                     http_client=own, max_retries=0, timeout=config.timeout_s,
                 )  # fmt: skip
