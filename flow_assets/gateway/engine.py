@@ -162,8 +162,10 @@ class PolicyEngine:
             self.base, self.tokenizer = None, AutoTokenizer.from_pretrained(str(base_path))
             self.config = AutoConfig.from_pretrained(str(base_path))
         else:
+            from flow_assets.policy.sampling import sample_token_ids
             from flow_assets.policy.tiny_model import load_policy
 
+            self._sample_token_ids = sample_token_ids  # bound once: sample() runs on every call
             self.base, self.tokenizer = load_policy(base_path)
             self.config = self.base.config
         # the gateway checks prompt + completion against the model's positions itself (a 400 for
@@ -217,8 +219,6 @@ class PolicyEngine:
         """
         if self._vllm is not None:
             return self._vllm.generate(adapter_path, prompt_ids, config, temperatures, top_ps)
-        from flow_assets.policy.sampling import sample_token_ids
-
-        return sample_token_ids(
+        return self._sample_token_ids(
             self._activate(adapter_path), self.tokenizer, prompt_ids, config, temperatures=temperatures, top_ps=top_ps
         )
