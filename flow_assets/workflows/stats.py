@@ -110,8 +110,16 @@ def tool_calls(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStat
 
     Both frames need a ``batch`` column (the lake's hive partition; add a literal for one partition).
     """
+    return _tool_calls(steps, trajectories, config, ("input", "output", "confidence", "duration_ms"))
+
+
+def _tool_calls(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig, extra: tuple[str, ...]) -> pl.LazyFrame:
+    # :func:`tool_calls` with only the step columns ``extra`` besides the key, index, tool and
+    # status. The ordinal is a window over the trajectory key, which the streaming engine runs in
+    # memory: every column that rides along is held whole (a batch's tool outputs at 4M steps
+    # raised the asset's peak RSS by ~1.1 GB), so callers ask for what they use.
     calls = steps.filter((pl.col("kind") == "tool") & pl.col("tool").is_not_null()).select(
-        *TRAJECTORY_KEY, "index", "tool", "status", "input", "output", "confidence", "duration_ms"
+        *TRAJECTORY_KEY, "index", "tool", "status", *extra
     )
     ordinal = (pl.col("index").rank("ordinal").over(TRAJECTORY_KEY) - 1).cast(pl.Int64)
     return calls.with_columns(ordinal=ordinal).join(outcomes(trajectories, config), on=TRAJECTORY_KEY, how="inner")
@@ -136,15 +144,19 @@ def trajectory_tools(calls: pl.LazyFrame) -> pl.LazyFrame:
 _QUOTED = r"'[^']*'|\"[^\"]*\""
 
 
-def _failure_reasons(calls: pl.LazyFrame, config: StepStatsConfig) -> pl.LazyFrame:
+def _failure_reasons(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> pl.LazyFrame:
     # quoted arguments and numbers differ from call to call; without them, the same failure
     # ("payment amount does not add up, total price is #, but paid #") is counted once
     reason = (
         pl.col("output").fill_null("(no output)").str.split("\n").list.first().str.strip_chars()
         .str.replace_all(_QUOTED, "'…'").str.replace_all(r"\d+", "#").str.slice(0, config.reason_chars)
     )  # fmt: skip
+    # the failed tool calls of :func:`tool_calls` (same filter, same inner join on the trajectory),
+    # without its ordinal window: only failed calls' outputs are read, and streamed
+    failed = steps.filter((pl.col("kind") == "tool") & pl.col("tool").is_not_null() & (pl.col("status") == "error"))
     counted = (
-        calls.filter(pl.col("status") == "error")
+        failed.select(*TRAJECTORY_KEY, "tool", "output")
+        .join(outcomes(trajectories, config).select(*TRAJECTORY_KEY, "agent_id"), on=TRAJECTORY_KEY, how="inner")
         .group_by("agent_id", "tool", reason.alias("reason"))
         .len()
         .sort("agent_id", "tool", "len", "reason", descending=[False, False, True, False])
@@ -179,7 +191,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     Returns:
         One row per tool an agent called; an agent without tool calls has no row.
     """
-    calls = tool_calls(steps, trajectories, config)
+    calls = _tool_calls(steps, trajectories, config, ("confidence", "duration_ms"))
     per_call = calls.group_by("agent_id", "tool").agg(
         calls=pl.len(),
         errors=(pl.col("status") == "error").sum(),
@@ -203,7 +215,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     joined = (
         per_call.join(per_trajectory, on=["agent_id", "tool"], how="left")
         .join(agents, on="agent_id", how="left")
-        .join(_failure_reasons(calls, config), on=["agent_id", "tool"], how="left")
+        .join(_failure_reasons(steps, trajectories, config), on=["agent_id", "tool"], how="left")
         .collect(engine="streaming")
     )
     rows = []
