@@ -58,9 +58,15 @@ def suspicious(raw: bytes, value: Any) -> bool:
     if _LONG_DIGIT_RUN in raw.translate(_DIGITS):
         return True
     try:
-        return orjson.dumps(value).count(b'":') < raw.count(b'":')
+        again = orjson.dumps(value)
     except orjson.JSONEncodeError:  # nested deeper than orjson writes: look closer
         return True
+    # a compact record (as orjson and most loggers write it) comes back byte for byte, maybe
+    # without its line end: nothing vanished, and one comparison replaces counting both texts
+    # (~15% of a parse worker's time)
+    if raw.startswith(again) and (len(raw) == len(again) or raw[len(again) :].isspace()):
+        return False
+    return again.count(b'":') < raw.count(b'":')
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> _Object:
