@@ -103,17 +103,41 @@ class RowSampler(LogitsProcessor):
         self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperatures.to(scores.device)
-        if self.nucleus:
-            ordered, order = torch.sort(scores, descending=False, dim=-1)
-            drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_ps.to(scores.device))
-            drop[:, -1] = False  # keep at least the most likely token
-            scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
-        cdf = scores.softmax(dim=-1).cumsum(dim=-1)  # [batch, vocab]
-        u = torch.rand((scores.shape[0], 1), generator=self.generator).to(scores.device) * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, u).clamp(max=scores.shape[-1] - 1)  # [batch, 1]
-        token = torch.where(self.greedy.to(scores.device), scores.argmax(dim=-1, keepdim=True), drawn)
-        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
+        u = torch.rand((scores.shape[0], 1), generator=self.generator)
+        token = draw_tokens(scores, self.greedy, self.temperatures, self.top_ps, u, self.nucleus)
+        return torch.full_like(scores, -math.inf, dtype=torch.float).scatter_(1, token, 0.0)
+
+
+def draw_tokens(
+    scores: torch.Tensor,
+    greedy: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    u: torch.Tensor,
+    nucleus: bool = True,
+) -> torch.Tensor:
+    """The draw of :class:`RowSampler`, from given uniforms (its docstring has the method and source).
+
+    Args:
+        scores: ``[batch, vocab]`` raw logits.
+        greedy: ``[batch, 1]`` bool, rows that take their argmax (``T = 0``).
+        temperatures: ``[batch, 1]`` divisors, ``> 0`` (``1`` on greedy rows).
+        top_ps: ``[batch, 1]`` nucleus thresholds in ``(0, 1]``.
+        u: ``[batch, 1]`` uniform numbers in ``[0, 1)``, one per row.
+        nucleus: ``False`` skips the nucleus cut (every ``top_p`` is 1).
+
+    Returns:
+        ``[batch, 1]`` token ids (long).
+    """
+    scores = scores.float() / temperatures.to(scores.device)
+    if nucleus:
+        ordered, order = torch.sort(scores, descending=False, dim=-1)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_ps.to(scores.device))
+        drop[:, -1] = False  # keep at least the most likely token
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
+    cdf = scores.softmax(dim=-1).cumsum(dim=-1)  # [batch, vocab]
+    drawn = torch.searchsorted(cdf, u.to(scores.device) * cdf[:, -1:]).clamp(max=scores.shape[-1] - 1)  # [batch, 1]
+    return torch.where(greedy.to(scores.device), scores.argmax(dim=-1, keepdim=True), drawn)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,346 @@
+"""Continuous decoding: sequences join and leave one running batch at token boundaries.
+
+:func:`~flow_assets.policy.sampling.sample_token_ids` decodes a fixed set of rows to the end, so
+work that arrives one token after it started waits for all of it. :class:`RowDecoder` keeps one
+batch running instead (the iteration-level scheduling of Orca, Yu et al., OSDI 2022, which vLLM
+and TGI call continuous batching): :meth:`RowDecoder.add` runs the prompts of new rows through
+the model and merges their keys and values into the running batch, :meth:`RowDecoder.step`
+decodes one token of every row and hands back the rows that are done (``eos`` or their own
+``max_tokens``), which leave the batch at once.
+
+Layout. Per layer one cache ``[rows, kv_heads, capacity, head_dim]`` in which every row is right
+aligned: all rows write their next token at the same column, a row's own tokens are the columns
+``valid: [rows, capacity]`` marks, and the left padding before them is masked. The model gets an
+explicit 4-D additive mask and per-row position ids, so every row sees exactly its own tokens at
+positions ``0 .. len - 1``, as it would alone. New rows are prefilled together, a prefix they all
+share (at least :data:`~flow_assets.policy.sampling.MIN_SHARED_PREFIX` tokens) computed once, as in
+``sample_token_ids``; merging copies the running rows once into a cache sized for the longest
+remaining completion, and columns no row uses any more are dropped then.
+
+Sampling. A row's next token is drawn exactly as :class:`~flow_assets.policy.sampling.RowSampler`
+draws it (its temperature, its nucleus, the inverse CDF at one uniform number), and its log-prob is
+the one ``sample_token_ids`` records, ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy rows).
+The uniform numbers come from the row's own stream: draw ``t`` (``t = 0, 1, ...``) of a row with
+state ``s`` is the top 24 bits of ``mix64(s + (t + 1) * gamma)`` over ``2^24``, i.e. SplitMix64
+(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014; constants of
+Vigna's reference implementation) started at ``s``; :func:`row_streams` gives the states of a
+request's rows. So what a row samples depends on its prompt, settings and stream, not on the other
+rows of the batch or when it joined (up to float rounding of the batch's shape, which could move a
+token only if its uniform fell within rounding of a CDF boundary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from flow_assets.policy.sampling import MIN_SHARED_PREFIX, draw_tokens, shared_prefix_length
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on ``uint64`` arrays (arithmetic modulo 2^64)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def row_streams(seed: int, count: int) -> list[int]:
+    """The stream states of ``count`` rows of one seed: state ``i`` is output ``i + 1`` of
+    SplitMix64 seeded with ``seed`` (taken modulo 2^64, so any 64-bit signed seed works).
+
+    Returns:
+        ``count`` integers in ``[0, 2^64)``.
+    """
+    steps = np.arange(1, count + 1, dtype=np.uint64)
+    return [int(s) for s in _mix64(np.uint64(seed % 2**64) + steps * _GAMMA)]
+
+
+def stream_uniforms(states: np.ndarray, draws: np.ndarray) -> torch.Tensor:
+    """Draw ``draws[i]`` of stream ``states[i]`` (module docstring) for every row.
+
+    Args:
+        states: ``[rows]`` ``uint64`` stream states.
+        draws: ``[rows]`` ``uint64`` draw indices (0 for a row's first token).
+
+    Returns:
+        ``[rows, 1]`` float32 uniforms in ``[0, 1)``, multiples of ``2^-24`` (exact in float32).
+    """
+    bits = _mix64(states + (draws + np.uint64(1)) * _GAMMA) >> np.uint64(40)
+    return torch.from_numpy((bits.astype(np.float64) * 2.0**-24).astype(np.float32)).unsqueeze(1)
+
+
+@dataclass(eq=False)
+class DecodeRow:
+    """One sequence being decoded.
+
+    Attributes:
+        prompt_ids: the prompt, token ids (non-empty).
+        temperature: ``>= 0`` (``0``: greedy); ``top_p`` in ``(0, 1]``.
+        max_tokens: most completion tokens, ``>= 1``.
+        stream: the row's random stream state (:func:`row_streams`).
+        owner: anything the caller wants back with the row.
+        tokens / logprobs: the completion so far and its log-probs (module docstring).
+        finished: it ended with ``eos`` (else it is still running or hit ``max_tokens``).
+    """
+
+    prompt_ids: list[int]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stream: int
+    owner: Any = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+class _RowCache:
+    """The keys and values the model writes into, in the layout of the module docstring. It has
+    what transformers' attention layers call (``update``); the masks are given explicitly, so
+    nothing else of a ``Cache`` is asked for."""
+
+    def __init__(self, layers: int, length: int, capacity: int, keys=None, values=None):
+        self.keys: list[torch.Tensor | None] = keys or [None] * layers
+        self.values: list[torch.Tensor | None] = values or [None] * layers
+        self.length = length  # columns written
+        self.capacity = capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``[rows, kv_heads, q, head_dim]`` at columns ``length .. length + q``; return the
+        keys and values of columns ``0 .. length + q``."""
+        if self.keys[layer_idx] is None:
+            rows, heads, _, dim = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros((rows, heads, self.capacity, dim))
+            self.values[layer_idx] = value_states.new_zeros((rows, heads, self.capacity, value_states.shape[-1]))
+        end = self.length + key_states.shape[2]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[:, :, self.length : end] = key_states
+        values[:, :, self.length : end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive float mask attention takes (0 where allowed, the dtype's
+    minimum elsewhere: a row with nothing allowed gets uniform weights, never NaN)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class RowDecoder:
+    """A running batch of rows on one model (module docstring). Not thread-safe: one thread adds
+    and steps.
+
+    Args:
+        model: a causal LM (plain or PEFT) whose attention layers take transformers' ``cache``
+            interface and a 4-D mask (the Llama family: the tiny model, SmolLM2), in eval mode.
+        eos_token_id: the token that ends a completion.
+        pad_token_id: the id fed at padding positions (masked).
+    """
+
+    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int):
+        self.model = model
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.layers = model.config.num_hidden_layers
+        self.rows: list[DecodeRow] = []
+        self._empty()
+
+    def _empty(self) -> None:
+        self.rows = []
+        self.cache: _RowCache | None = None
+        self.valid = torch.zeros((0, 0), dtype=torch.bool)  # [rows, capacity]
+        self.last = torch.zeros(0, dtype=torch.long)  # [rows] token fed at the next step
+        self.positions = torch.zeros(0, dtype=torch.long)  # [rows] its position
+        self.states = np.zeros(0, dtype=np.uint64)  # [rows] stream states
+        self.draws = np.zeros(0, dtype=np.uint64)  # [rows] tokens drawn so far
+        self._settings(self.rows)
+
+    def _settings(self, rows: Sequence[DecodeRow]) -> None:
+        t = torch.tensor([r.temperature for r in rows], dtype=torch.float)
+        self.greedy = (t == 0).unsqueeze(1)  # [rows, 1]
+        self.scale = torch.where(t == 0, torch.ones_like(t), t).unsqueeze(1)  # [rows, 1]
+        self.top_ps = torch.tensor([r.top_p for r in rows], dtype=torch.float).unsqueeze(1)
+        self.nucleus = bool((self.top_ps < 1).any())
+
+    @property
+    def size(self) -> int:
+        """Rows decoding now."""
+        return len(self.rows)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: _RowCache) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` after the last column of ``ids: [rows, q]``; ``allowed:
+        [rows, q, cache.length + q]``."""
+        out = self.model(
+            input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+            attention_mask=_additive(allowed, self.dtype).unsqueeze(1).to(self.device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+        cache.length += ids.shape[1]
+        return out.logits[:, -1].float().cpu()
+
+    def _sample(self, logits: torch.Tensor, greedy, scale, top_ps, nucleus, states, draws) -> tuple[list[int], list[float]]:
+        u = stream_uniforms(states, draws)
+        token = draw_tokens(logits, greedy, scale, top_ps, u, nucleus)  # [rows, 1]
+        logp = F.log_softmax(logits / scale, dim=-1).gather(1, token).squeeze(1)
+        return token.squeeze(1).tolist(), logp.tolist()
+
+    def add(self, rows: Sequence[DecodeRow]) -> list[DecodeRow]:
+        """Prefill ``rows`` and draw their first tokens; those not done yet join the batch.
+
+        Returns:
+            The rows of ``rows`` already done (``eos`` or ``max_tokens == 1``).
+
+        Raises:
+            ValueError: a row with an empty prompt, ``max_tokens < 1``, a negative temperature or
+                a ``top_p`` outside ``(0, 1]``.
+        """
+        for r in rows:
+            if not r.prompt_ids or r.max_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
+                raise ValueError(f"cannot decode a row with {len(r.prompt_ids)} prompt tokens, max_tokens {r.max_tokens}, "
+                                 f"temperature {r.temperature}, top_p {r.top_p}")  # fmt: skip
+        if not rows:
+            return []
+        with torch.inference_mode():
+            return self._add(list(rows))
+
+    def _add(self, rows: list[DecodeRow]) -> list[DecodeRow]:
+        n = len(rows)
+        prompts = [r.prompt_ids for r in rows]
+        shared = shared_prefix_length(prompts)
+        shared = shared if shared >= MIN_SHARED_PREFIX else 0
+        width = max(len(p) for p in prompts) - shared
+        length = shared + width
+        # every new row needs max_tokens - 1 columns after its prompt (the first token comes from the prefill)
+        capacity = length + max(r.max_tokens for r in rows) - 1
+        if shared:
+            prefix = _RowCache(self.layers, 0, shared)
+            causal = torch.ones((1, shared, shared), dtype=torch.bool).tril()
+            self._forward(torch.tensor([prompts[0][:shared]]), torch.arange(shared).unsqueeze(0), causal, prefix)
+            keys = [k.new_zeros((n, k.shape[1], capacity, k.shape[3])) for k in prefix.keys]
+            values = [v.new_zeros((n, v.shape[1], capacity, v.shape[3])) for v in prefix.values]
+            for full, part in zip(keys + values, prefix.keys + prefix.values):
+                full[:, :, :shared] = part
+            cache = _RowCache(self.layers, shared, capacity, keys, values)
+        else:
+            cache = _RowCache(self.layers, 0, capacity)
+        ids = torch.full((n, width), self.pad, dtype=torch.long)
+        own = torch.zeros((n, width), dtype=torch.bool)  # [n, width] the rows' own tokens after the prefix
+        for i, p in enumerate(prompts):
+            ids[i, width - (len(p) - shared) :] = torch.tensor(p[shared:], dtype=torch.long)
+            own[i, width - (len(p) - shared) :] = True
+        positions = (own.long().cumsum(1) - 1).clamp(min=0) + shared  # [n, width]
+        causal = torch.ones((width, width), dtype=torch.bool).tril()  # [q, k]
+        allowed = torch.cat([torch.ones((n, width, shared), dtype=torch.bool), causal.unsqueeze(0) & own.unsqueeze(1)], dim=2)
+        logits = self._forward(ids, positions, allowed, cache)
+        valid = torch.zeros((n, capacity), dtype=torch.bool)
+        valid[:, :shared] = True
+        valid[:, shared:length] = own
+        greedy_t = torch.tensor([r.temperature for r in rows], dtype=torch.float)
+        scale = torch.where(greedy_t == 0, torch.ones_like(greedy_t), greedy_t).unsqueeze(1)
+        top_ps = torch.tensor([r.top_p for r in rows], dtype=torch.float).unsqueeze(1)
+        states = np.array([r.stream for r in rows], dtype=np.uint64)
+        tokens, logps = self._sample(logits, (greedy_t == 0).unsqueeze(1), scale, top_ps, bool((top_ps < 1).any()), states,
+                                     np.zeros(n, dtype=np.uint64))  # fmt: skip
+        done = []
+        for r, token, lp in zip(rows, tokens, logps):
+            r.tokens.append(token)
+            r.logprobs.append(lp)
+            r.finished = token == self.eos
+            if r.finished or len(r.tokens) >= r.max_tokens:
+                done.append(r)
+        keep = [i for i, r in enumerate(rows) if not (r.finished or len(r.tokens) >= r.max_tokens)]
+        if keep:
+            index = torch.tensor(keep)
+            new = _RowCache(self.layers, length, capacity, [k.index_select(0, index) for k in cache.keys],
+                            [v.index_select(0, index) for v in cache.values])  # fmt: skip
+            self._merge([rows[i] for i in keep], new, valid.index_select(0, index), torch.tensor(tokens)[index],
+                        torch.tensor([len(rows[i].prompt_ids) for i in keep]), states[keep])  # fmt: skip
+        return done
+
+    def _merge(self, rows, cache: _RowCache, valid, last, positions, states) -> None:
+        """Join prefilled ``rows`` (their cache right-aligned at ``cache.length``) to the batch."""
+        if not self.rows:
+            self.rows, self.cache, self.valid, self.last, self.positions = list(rows), cache, valid, last, positions
+            self.states, self.draws = states, np.ones(len(rows), dtype=np.uint64)
+            self._settings(self.rows)
+            return
+        old = self.cache
+        used = self.valid[:, : old.length].any(0).nonzero()
+        start = int(used[0]) if len(used) else old.length  # columns before it: padding for every row
+        kept = old.length - start
+        length = max(kept, cache.length)
+        everyone = [*self.rows, *rows]
+        remaining = max(r.max_tokens - len(r.tokens) for r in everyone)
+        capacity = length + remaining
+        a, b = len(self.rows), len(rows)
+        keys, values = [], []
+        for mine, theirs in ((old.keys, cache.keys), (old.values, cache.values)):
+            for x, y in zip(mine, theirs):
+                z = x.new_zeros((a + b, x.shape[1], capacity, x.shape[3]))
+                z[:a, :, length - kept : length] = x[:, :, start : old.length]
+                z[a:, :, length - cache.length : length] = y[:, :, : cache.length]
+                (keys if mine is old.keys else values).append(z)
+        merged = torch.zeros((a + b, capacity), dtype=torch.bool)
+        merged[:a, length - kept : length] = self.valid[:, start : old.length]
+        merged[a:, length - cache.length : length] = valid[:, : cache.length]
+        self.rows, self.cache, self.valid = everyone, _RowCache(self.layers, length, capacity, keys, values), merged
+        self.last = torch.cat([self.last, last])
+        self.positions = torch.cat([self.positions, positions])
+        self.states = np.concatenate([self.states, states])
+        self.draws = np.concatenate([self.draws, np.ones(b, dtype=np.uint64)])
+        self._settings(self.rows)
+
+    def step(self) -> list[DecodeRow]:
+        """Decode one token of every row.
+
+        Returns:
+            The rows done after this token (``eos`` or ``max_tokens``); they have left the batch.
+        """
+        if not self.rows:
+            return []
+        with torch.inference_mode():
+            cache = self.cache
+            column = cache.length
+            self.valid[:, column] = True
+            allowed = self.valid[:, : column + 1].unsqueeze(1)  # [rows, 1, column + 1]
+            logits = self._forward(self.last.unsqueeze(1), self.positions.unsqueeze(1), allowed, cache)
+            tokens, logps = self._sample(logits, self.greedy, self.scale, self.top_ps, self.nucleus, self.states, self.draws)
+            self.draws += np.uint64(1)
+            self.positions += 1
+            self.last = torch.tensor(tokens)
+            done, keep = [], []
+            for i, (r, token, lp) in enumerate(zip(self.rows, tokens, logps)):
+                r.tokens.append(token)
+                r.logprobs.append(lp)
+                r.finished = token == self.eos
+                if r.finished or len(r.tokens) >= r.max_tokens:
+                    done.append(r)
+                else:
+                    keep.append(i)
+            if not keep:
+                self._empty()
+            elif done:
+                self._keep(keep)
+            return done
+
+    def _keep(self, keep: list[int]) -> None:
+        index = torch.tensor(keep)
+        cache = self.cache
+        cache.keys = [k.index_select(0, index) for k in cache.keys]
+        cache.values = [v.index_select(0, index) for v in cache.values]
+        self.valid = self.valid.index_select(0, index)
+        self.last, self.positions = self.last[index], self.positions[index]
+        self.states, self.draws = self.states[keep], self.draws[keep]
+        self.rows = [self.rows[i] for i in keep]
+        self._settings(self.rows)
