@@ -113,6 +113,19 @@ def test_step_statistics_of_tau_bench_count_calls_failures_and_outcomes(tau_reco
     assert set(stats["tool"]) >= {"get_user_details", "get_reservation_details", "transfer_to_human_agents"}
 
 
+def test_step_statistics_in_buckets_of_trajectories_equal_one_pass(tau_records, monkeypatch):
+    """A large batch's per-trajectory view is computed in buckets of trajectories (bounded
+    memory); the statistics are those of one pass, over two batches holding the same ids."""
+    from flow_assets.workflows import stats as stats_module
+
+    (s1, t1), (s2, t2) = lake_frames(tau_records, "b1"), lake_frames(tau_records[:120], "b2")
+    steps, traj = pl.concat([s1, s2]), pl.concat([t1, t2])
+    one_pass = step_statistics(steps, traj)
+    monkeypatch.setattr(stats_module, "STEPS_PER_BUCKET", 300)
+    assert steps.select(pl.len()).collect().item() > 5 * 300  # several buckets
+    assert step_statistics(steps, traj).equals(one_pass)
+
+
 def test_step_statistics_of_a_logged_latency_have_p50_below_p95(shared_data):
     files = sorted((shared_data / "tau2-bench").glob("*/*.json"))
     stats = step_statistics(*lake_frames(canonical_records(files[0])))

@@ -180,6 +180,31 @@ def _difference(s_1: int, n_1: int, s_2: int, n_2: int, z: float) -> tuple[float
     return s_1 / n_1 - s_2 / n_2, low, high
 
 
+#: :func:`step_statistics` computes the per-trajectory view of the tool calls (two windows over the
+#: trajectory key, which run in memory) for about this many steps at a time
+STEPS_PER_BUCKET = 2_000_000
+
+
+def _trajectory_tools_in_buckets(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> pl.DataFrame:
+    # ``agent_id, tool, first, success, failed`` of :func:`trajectory_tools`, one row per
+    # (trajectory, tool called in it). The windows hold their whole input, so the trajectories are
+    # split by a hash of their id into buckets of about STEPS_PER_BUCKET steps, each computed on its
+    # own: all rows of a trajectory fall in one bucket, and the rows are those of one pass (in
+    # another order). At 4M steps one pass peaked ~0.6 GB above the rest of the asset.
+    n_steps = steps.select(pl.len()).collect().item()
+    buckets = max(1, -(-n_steps // STEPS_PER_BUCKET))
+    if buckets == 1:
+        return trajectory_tools(_tool_calls(steps, trajectories, config, ())).select(
+            "agent_id", "tool", "first", "success", "failed"
+        ).collect(engine="streaming")
+    parts = []
+    for bucket in range(buckets):
+        mine = pl.col("trajectory_id").hash(seed=0) % buckets == bucket
+        calls = _tool_calls(steps.filter(mine), trajectories.filter(mine), config, ())
+        parts.append(trajectory_tools(calls).select("agent_id", "tool", "first", "success", "failed").collect(engine="streaming"))
+    return pl.concat(parts)
+
+
 def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig = StepStatsConfig()) -> pl.DataFrame:
     """Per-(agent, tool) statistics (:data:`STEP_STATS_SCHEMA`), sorted by agent then position.
 
@@ -191,7 +216,12 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     Returns:
         One row per tool an agent called; an agent without tool calls has no row.
     """
-    calls = _tool_calls(steps, trajectories, config, ("confidence", "duration_ms"))
+    # every call with its agent, no ordinal: no window, so the streaming engine never holds the calls
+    calls = (
+        steps.filter((pl.col("kind") == "tool") & pl.col("tool").is_not_null())
+        .select(*TRAJECTORY_KEY, "tool", "status", "confidence", "duration_ms")
+        .join(outcomes(trajectories, config).select(*TRAJECTORY_KEY, "agent_id"), on=TRAJECTORY_KEY, how="inner")
+    )
     per_call = calls.group_by("agent_id", "tool").agg(
         calls=pl.len(),
         errors=(pl.col("status") == "error").sum(),
@@ -202,7 +232,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
         confidence_mean=pl.col("confidence").mean(),
     )
     labelled = pl.col("success").is_not_null()
-    per_trajectory = trajectory_tools(calls).group_by("agent_id", "tool").agg(
+    per_trajectory = _trajectory_tools_in_buckets(steps, trajectories, config).lazy().group_by("agent_id", "tool").agg(
         position=pl.col("first").median().cast(pl.Float64),
         taken_n=labelled.sum(),
         taken_s=(labelled & pl.col("success")).sum(),
@@ -212,11 +242,15 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     agents = outcomes(trajectories, config).group_by("agent_id").agg(
         agent_trajectories=pl.col("success").count(), agent_s=pl.col("success").sum()
     )
+    # each part is collected on its own (each is one row per agent and tool, or per agent): in
+    # one query the optimiser shared a single scan of ``steps`` between the calls and the failure
+    # reasons, holding every step's output (+0.8 GB at 4M steps)
+    reasons = _failure_reasons(steps, trajectories, config).collect(engine="streaming")
     joined = (
-        per_call.join(per_trajectory, on=["agent_id", "tool"], how="left")
-        .join(agents, on="agent_id", how="left")
-        .join(_failure_reasons(steps, trajectories, config), on=["agent_id", "tool"], how="left")
-        .collect(engine="streaming")
+        per_call.collect(engine="streaming")
+        .join(per_trajectory.collect(), on=["agent_id", "tool"], how="left")
+        .join(agents.collect(engine="streaming"), on="agent_id", how="left")
+        .join(reasons, on=["agent_id", "tool"], how="left")
     )
     rows = []
     for row in joined.iter_rows(named=True):
