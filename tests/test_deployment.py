@@ -11,6 +11,7 @@ from dagster import AssetKey, DagsterRunStatus
 from flow_assets.demo import DemoState, Phase, phase_env, run_phase
 from flow_assets.deployment import Daemon
 from flow_assets.local import local_instance
+from flow_assets.run_launcher import PID_TAG
 from flow_assets.ui_tour import find_chromium, tour
 from resources.lake import TrajectoryLake
 
@@ -50,6 +51,9 @@ def test_every_run_is_launched_by_a_sensor_and_a_blocked_round_ends_the_loop(dep
         "training_round_job": "training_round_sensor",
         "training_history_job": "training_history_sensor",
     }
+    # the daemon launched each run through WarmRunLauncher (dagster.yaml), in a process of its own
+    pids = [r.tags.get(PID_TAG) for r in runs.values()]
+    assert None not in pids and len(set(pids)) == len(pids)
     # the blocked round is the one failed run; the history was refreshed after it all the same
     assert {n: r.status for n, r in runs.items() if r.status != DagsterRunStatus.SUCCESS} == {"training_round_job": DagsterRunStatus.FAILURE}
     assert runs["training_round_job"].tags["flowopt/gate"] == line["verdict"][:200]  # why, in the run list

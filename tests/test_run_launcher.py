@@ -1,0 +1,152 @@
+"""WarmRunLauncher on a real Dagster instance (SQLite on disk): each run gets a process of its own
+that was started ahead of time with its imports done, runs to its real end status, can be
+terminated, and a worker that dies fails its run instead of leaving it STARTED; a spare whose
+preloaded project code changed runs the run cold. The daemon-driven path is in test_deployment."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from dagster import DagsterInstance, DagsterRunStatus
+from dagster._core.definitions.reconstruct import ReconstructableJob
+from dagster._grpc.types import ExecuteRunArgs
+from dagster._serdes import serialize_value
+
+from flow_assets.run_launcher import PID_TAG, WARM_TAG, WarmRunLauncher
+
+JOBS = textwrap.dedent(
+    """
+    import os, time
+    from dagster import in_process_executor, job, op
+
+    @op(config_schema={"out": str})
+    def write_pid(context):
+        open(context.op_config["out"] + f"/{context.run_id}", "w").write(str(os.getpid()))
+
+    @job(executor_def=in_process_executor)
+    def quick():
+        write_pid()
+
+    @op
+    def sleep_long():
+        for _ in range(600):
+            time.sleep(0.1)
+
+    @job(executor_def=in_process_executor)
+    def slow():
+        sleep_long()
+
+    @op
+    def die():
+        os._exit(3)
+
+    @job(executor_def=in_process_executor)
+    def dies():
+        die()
+    """
+)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.run_launcher\n  class: WarmRunLauncher\n"
+        "  config: {preload_modules: [dagster]}\n"
+    )
+    instance = DagsterInstance.from_config(str(home))
+    yield instance, jobs, out
+    instance.run_launcher.dispose()
+    instance.dispose()
+
+
+def _launch(instance, jobs, name, run_config=None):
+    recon = ReconstructableJob.for_file(str(jobs), name)
+    run = instance.create_run_for_job(recon.get_definition(), run_config=run_config, job_code_origin=recon.get_python_origin())
+    instance.launch_run(run.run_id, workspace=None)
+    return run.run_id
+
+
+def _wait(instance, run_id, statuses, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = instance.get_run_by_id(run_id)
+        if run.status in statuses:
+            return run
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id} still {instance.get_run_by_id(run_id).status} after {timeout} s")
+
+
+def _messages(instance, run_id):
+    return [(e.dagster_event.message if e.dagster_event else None) or e.user_message for e in instance.all_logs(run_id)]
+
+
+FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+
+
+def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
+    instance, jobs, out = setup
+    assert isinstance(instance.run_launcher, WarmRunLauncher)
+    config = {"ops": {"write_pid": {"config": {"out": str(out)}}}}
+    first = _launch(instance, jobs, "quick", config)
+    assert _wait(instance, first, FINISHED).status == DagsterRunStatus.SUCCESS
+    time.sleep(1.0)  # let the spare started at the first launch finish its imports
+    second = _launch(instance, jobs, "quick", config)
+    run = _wait(instance, second, FINISHED)
+    assert run.status == DagsterRunStatus.SUCCESS
+    pids = [int((out / r).read_text()) for r in (first, second)]
+    # the op ran in the worker the launcher named, a different process per run
+    assert pids == [int(instance.get_run_by_id(r).tags[PID_TAG]) for r in (first, second)]
+    assert pids[0] != pids[1]
+    assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
+    assert run.tags[WARM_TAG] == "true"
+    messages = _messages(instance, second)
+    assert any(f"Handed to run worker pid {pids[1]} (imports done)" in m for m in messages), messages
+
+
+def test_terminate_interrupts_the_run_and_a_dead_worker_fails_its_run(setup):
+    instance, jobs, _ = setup
+    slow = _launch(instance, jobs, "slow")
+    _wait(instance, slow, {DagsterRunStatus.STARTED})
+    assert instance.run_launcher.terminate(slow)
+    assert _wait(instance, slow, FINISHED).status == DagsterRunStatus.CANCELED
+    dies = _launch(instance, jobs, "dies")
+    run = _wait(instance, dies, FINISHED)
+    assert run.status == DagsterRunStatus.FAILURE
+    messages = _messages(instance, dies)
+    assert any("exited with code 3 before the run finished" in m for m in messages), messages
+
+
+def test_a_spare_whose_project_code_changed_runs_cold(tmp_path):
+    # a preloaded module of the project (outside site-packages) changes on disk after the import
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "stale_mod.py").write_text("VALUE = 1\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    instance = DagsterInstance.from_config(str(home))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "flow_assets.run_launcher", "stale_mod"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)},
+    )  # fmt: skip
+    worker.stdin.write(serialize_value(instance.get_ref()) + "\n")
+    worker.stdin.flush()
+    assert worker.stdout.readline().startswith("ready ")
+    time.sleep(0.05)
+    (project / "stale_mod.py").write_text("VALUE = 2\n")
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    recon = ReconstructableJob.for_file(str(jobs), "quick")
+    args = ExecuteRunArgs(job_origin=recon.get_python_origin(), run_id="no-such-run", instance_ref=instance.get_ref())
+    _, err = worker.communicate(serialize_value(args) + "\n", timeout=120)
+    assert "source file(s) changed since preloading" in err and "stale_mod.py" in err
+    assert worker.returncode != 0 and "no-such-run" in err  # the cold `dagster api execute_run` looked for the run
+    instance.dispose()
