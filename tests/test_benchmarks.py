@@ -142,6 +142,14 @@ def test_training_round_quick_splits_the_wall_time():
     parts = sum(round_[p] for p in training_round.PARTS)
     assert parts == pytest.approx(round_["wall"])
     assert round_["dagster_overhead"] > 0 and round_["other_asset_work"] > 0
+    # the same round launched by a real dagster-daemon, split the same way
+    (daemon,) = result["daemon"]["rounds"]
+    for part in ("collection_generation", "training", "evaluation"):
+        assert positive(daemon[part]), part
+    assert sum(daemon[p] for p in training_round.PARTS) == pytest.approx(daemon["wall"])
+    assert daemon["dagster_overhead"] > 0
+    assert {k.split(".")[0] for k in daemon["step_seconds"]} == {"collect_rollouts_job", "log_batch_job", "training_round_job"}
+    assert 0 < result["daemon"]["orchestration_share"] < 1 and 0 < result["orchestration_share"] < 1
     assert positive(result["peak_rss_mb"])
     assert_headline(result)
 
