@@ -181,28 +181,30 @@ def _difference(s_1: int, n_1: int, s_2: int, n_2: int, z: float) -> tuple[float
 
 
 #: :func:`step_statistics` computes the per-trajectory view of the tool calls (two windows over the
-#: trajectory key, which run in memory) for about this many steps at a time
-STEPS_PER_BUCKET = 2_000_000
+#: trajectory key, which run in memory) for about this many steps at a time (memory: ~0.25 GB per million)
+STEPS_PER_BUCKET = 1_000_000
 
 
-def _trajectory_tools_in_buckets(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> pl.DataFrame:
-    # ``agent_id, tool, first, success, failed`` of :func:`trajectory_tools`, one row per
-    # (trajectory, tool called in it). The windows hold their whole input, so the trajectories are
-    # split by a hash of their id into buckets of about STEPS_PER_BUCKET steps, each computed on its
-    # own: all rows of a trajectory fall in one bucket, and the rows are those of one pass (in
-    # another order). At 4M steps one pass peaked ~0.6 GB above the rest of the asset.
+def _calls_in_buckets(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    # (``agent_id, tool, status, confidence, duration_ms`` of every tool call, ``agent_id, tool,
+    # first, success, failed`` of :func:`trajectory_tools`: one row per trajectory and tool called
+    # in it). The ordinal's window holds its whole input, so the trajectories are split by a hash
+    # of their id into buckets of about STEPS_PER_BUCKET steps, each computed on its own: all
+    # rows of a trajectory fall in one bucket, so the rows are those of one pass (in another
+    # order). Only these narrow columns are kept: at 4M steps one pass through the windows with
+    # the calls' keys peaked ~0.6 GB above the rest of the asset, and the per-call quantiles,
+    # which the streaming engine runs in memory, another ~0.4 GB.
     n_steps = steps.select(pl.len()).collect().item()
     buckets = max(1, -(-n_steps // STEPS_PER_BUCKET))
-    if buckets == 1:
-        return trajectory_tools(_tool_calls(steps, trajectories, config, ())).select(
-            "agent_id", "tool", "first", "success", "failed"
-        ).collect(engine="streaming")
-    parts = []
+    per_call, per_tool = [], []
     for bucket in range(buckets):
         mine = pl.col("trajectory_id").hash(seed=0) % buckets == bucket
-        calls = _tool_calls(steps.filter(mine), trajectories.filter(mine), config, ())
-        parts.append(trajectory_tools(calls).select("agent_id", "tool", "first", "success", "failed").collect(engine="streaming"))
-    return pl.concat(parts)
+        part_steps, part_trajectories = (steps, trajectories) if buckets == 1 else (steps.filter(mine), trajectories.filter(mine))
+        calls = _tool_calls(part_steps, part_trajectories, config, ("confidence", "duration_ms")).collect(engine="streaming")
+        per_call.append(calls.select("agent_id", "tool", "status", "confidence", "duration_ms"))
+        per_tool.append(trajectory_tools(calls.lazy()).select("agent_id", "tool", "first", "success", "failed").collect())
+        del calls
+    return pl.concat(per_call), pl.concat(per_tool)
 
 
 def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig = StepStatsConfig()) -> pl.DataFrame:
@@ -216,12 +218,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     Returns:
         One row per tool an agent called; an agent without tool calls has no row.
     """
-    # every call with its agent, no ordinal: no window, so the streaming engine never holds the calls
-    calls = (
-        steps.filter((pl.col("kind") == "tool") & pl.col("tool").is_not_null())
-        .select(*TRAJECTORY_KEY, "tool", "status", "confidence", "duration_ms")
-        .join(outcomes(trajectories, config).select(*TRAJECTORY_KEY, "agent_id"), on=TRAJECTORY_KEY, how="inner")
-    )
+    calls, tools = _calls_in_buckets(steps, trajectories, config)
     per_call = calls.group_by("agent_id", "tool").agg(
         calls=pl.len(),
         errors=(pl.col("status") == "error").sum(),
@@ -232,7 +229,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
         confidence_mean=pl.col("confidence").mean(),
     )
     labelled = pl.col("success").is_not_null()
-    per_trajectory = _trajectory_tools_in_buckets(steps, trajectories, config).lazy().group_by("agent_id", "tool").agg(
+    per_trajectory = tools.group_by("agent_id", "tool").agg(
         position=pl.col("first").median().cast(pl.Float64),
         taken_n=labelled.sum(),
         taken_s=(labelled & pl.col("success")).sum(),
@@ -247,8 +244,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     # reasons, holding every step's output (+0.8 GB at 4M steps)
     reasons = _failure_reasons(steps, trajectories, config).collect(engine="streaming")
     joined = (
-        per_call.collect(engine="streaming")
-        .join(per_trajectory.collect(), on=["agent_id", "tool"], how="left")
+        per_call.join(per_trajectory, on=["agent_id", "tool"], how="left")
         .join(agents.collect(engine="streaming"), on="agent_id", how="left")
         .join(reasons, on=["agent_id", "tool"], how="left")
     )
