@@ -20,7 +20,7 @@ rollout id; a call with none of them gets the champion) and by the champion othe
 response says which in ``X-Flowopt-Adapter-Version`` and every captured turn records it.
 
 A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
-is rendered with the policy's chat template, sampled by the dynamic batcher, its tool calls are
+is rendered with the policy's chat template, sampled by the batcher (continuous batching), its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
 (:mod:`flow_assets.gateway.capture`).
 
@@ -57,7 +57,7 @@ from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flow_assets.gateway.batcher import DynamicBatcher, GenerationRequest
+from flow_assets.gateway.batcher import ContinuousBatcher, DynamicBatcher, GenerationRequest
 from flow_assets.untrusted import scrub_paths
 from flow_assets.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
 from flow_assets.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
@@ -92,6 +92,10 @@ class GatewayConfig:
         reap_every_s: how often idle rollouts and due batches are checked, seconds.
         seed: seeds the sampling seeds of requests that bring none.
         limits: request limits (body size, body read timeout, JSON nesting).
+        continuous: on the transformers backend, decode with continuous batching (a call joins
+            the running batch at the next token, :class:`~flow_assets.gateway.batcher.ContinuousBatcher`);
+            ``False``, or the vLLM backend (which batches continuously itself): the dynamic batcher,
+            which generates each batch to its end before it starts the next.
     """
 
     max_batch_rows: int = 256
@@ -104,6 +108,7 @@ class GatewayConfig:
     reap_every_s: float = 5.0
     seed: int = 0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    continuous: bool = True
 
 
 class Gateway:
@@ -121,7 +126,13 @@ class Gateway:
         self.engine = engine
         self.resolver = resolver
         self.config = config or GatewayConfig()
-        self.batcher = DynamicBatcher(engine.generate, self.config.max_batch_rows, self.config.max_wait_ms, self.config.seed)
+        c = self.config
+        if c.continuous and engine.backend == "transformers":
+            tok = engine.tokenizer
+            self.batcher = ContinuousBatcher(engine.activate, tok.eos_token_id, tok.pad_token_id, engine.max_positions,
+                                             c.max_batch_rows, c.max_wait_ms, c.seed)  # fmt: skip
+        else:
+            self.batcher = DynamicBatcher(engine.generate, c.max_batch_rows, c.max_wait_ms, c.seed)
         self.recorder = RolloutRecorder(self.config.rollout_timeout_s)
         self.lander = BatchLander(
             landing, self.config.source, self.config.batch_max_trajectories, self.config.batch_flush_seconds

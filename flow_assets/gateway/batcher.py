@@ -16,19 +16,37 @@ SmolLM2-135M costs 0.27 s for 32 rows and 0.61 s for 128.
 Seeds: a request with a ``seed`` is batched only with requests of the same seed, and that seed
 seeds the generation, so it is reproducible for the same batch; requests without one get seeds
 from the batcher's own generator (seeded by ``seed``).
+
+Continuous batching. :class:`ContinuousBatcher` (the gateway's batcher on the transformers
+backend) does not generate a batch to its end before it starts the next: a call that arrives
+while others are decoding joins them at the next token (prefilled, then decoded with them, by
+:class:`~flow_assets.policy.decode.RowDecoder`), and every completion is answered at the token it
+ends on. A multi-turn agent's next call, which comes back a few milliseconds after its tool
+result, so no longer waits for a whole generation of the calls that happened to start before it.
+Requests are admitted in arrival order while they use the adapter of the running batch; one for
+another adapter waits until the running batch is done (and holds back those behind it, so none
+waits forever). Its seeds are per row: choice ``i`` of a request with seed ``s`` draws from its own
+random stream (:func:`~flow_assets.policy.decode.row_streams` of ``s``), so a seeded request
+samples the same completions whatever it is batched with; requests without a seed get one from
+the batcher's generator.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flow_assets.policy.configs import Rollout, SamplingConfig
+
+if TYPE_CHECKING:  # torch is imported when the worker starts decoding, not with the gateway's code
+    from flow_assets.policy.decode import DecodeRow
 
 
 @dataclass
@@ -149,3 +167,183 @@ def _cut(rollout: Rollout, max_tokens: int) -> Rollout:
         rollout.prompt_index, rollout.sample_index, rollout.prompt, rollout.prompt_ids,
         rollout.completion_ids[:max_tokens], "", rollout.logprobs[:max_tokens], False, rollout.error,
     )  # fmt: skip
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A request being decoded: its rows' results as they finish."""
+
+    request: GenerationRequest
+    results: list[Rollout | None]
+    left: int
+
+
+class ContinuousBatcher:
+    """A worker thread decoding queued :class:`GenerationRequest` s in one running batch that
+    requests join and leave at token boundaries (module docstring).
+
+    Args:
+        activate: ``fn(adapter_path) -> model``: the model with that adapter active (e.g.
+            :meth:`PolicyEngine.activate`); called only from the worker thread, and only when no
+            row is decoding.
+        eos_token_id / pad_token_id: the tokenizer's end and padding ids.
+        max_positions: the model's context length (prompt + completion), ``None`` for no limit;
+            a request beyond it gets error rollouts, as from ``sample_token_ids``.
+        max_batch_rows: most sequences decoding at once (sum of ``n``); a request that would pass
+            it waits for rows to finish (one larger than it runs alone).
+        max_wait_ms: when no row is decoding, how long the worker waits for one more request
+            before it starts (later ones join at the next token anyway).
+        seed: seeds the seeds given to requests without one.
+    """
+
+    def __init__(
+        self,
+        activate: Callable,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_positions: int | None = None,
+        max_batch_rows: int = 256,
+        max_wait_ms: float = 3.0,
+        seed: int = 0,
+    ):
+        self._activate = activate
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.max_positions = max_positions
+        self.max_batch_rows = max_batch_rows
+        self.max_wait_s = max_wait_ms / 1000.0
+        self._rng = np.random.default_rng(seed)
+        self._queue: queue.Queue[GenerationRequest | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="flowopt-batcher", daemon=True)
+        self.batches = 0  # admissions: groups of requests prefilled together
+        self.rows = 0  # sequences decoded
+        self.steps = 0  # decoding steps (one token of every running row)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue ``request``; its ``future`` resolves with its ``n`` rollouts when the last of its
+        completions ends (``ValueError`` for invalid settings; the model's error if decoding fails)."""
+        self._queue.put(request)
+        return request.future
+
+    def close(self) -> None:
+        """Finish the queued and running work and stop the worker."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _take(self, waiting: deque, block: bool) -> bool:
+        """Move queued requests to ``waiting``: all that are there, and when ``block``, the next one
+        and then more while they keep coming within ``max_wait_s``. Returns whether ``close`` was
+        called."""
+        timeout = None if block else 0.0
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout) if timeout != 0.0 else self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            waiting.append(item)
+            if block:
+                timeout = self.max_wait_s
+                if sum(r.n for r in waiting) >= self.max_batch_rows:
+                    block, timeout = False, 0.0
+
+    def _run(self) -> None:
+        from flow_assets.policy.decode import RowDecoder
+
+        waiting: deque[GenerationRequest] = deque()
+        decoder: RowDecoder | None = None
+        adapter: str | None = None
+        running: list[_Pending] = []
+        stopping = False
+        while True:
+            idle = decoder is None or decoder.size == 0
+            if not stopping:
+                stopping = self._take(waiting, block=idle and not waiting)
+            if idle and not waiting:
+                if stopping:
+                    return
+                continue
+            if idle and (decoder is None or waiting[0].adapter_path != adapter):
+                adapter, decoder = waiting[0].adapter_path, None
+                try:
+                    decoder = RowDecoder(self._activate(adapter), self.eos_token_id, self.pad_token_id)
+                except Exception as exc:  # noqa: BLE001 - e.g. a missing adapter: its callers get the error
+                    while waiting and waiting[0].adapter_path == adapter:
+                        request = waiting.popleft()
+                        if request.future.set_running_or_notify_cancel():
+                            request.future.set_exception(exc)
+                    continue
+            try:
+                if waiting and waiting[0].adapter_path == adapter:
+                    self._admit(waiting, decoder, running)
+                if decoder.size:
+                    self.steps += 1
+                    self._finish(decoder.step(), running)
+            except Exception as exc:  # noqa: BLE001 - handed to every caller whose rows were decoding
+                for pending in running:
+                    if not pending.request.future.done():
+                        pending.request.future.set_exception(exc)
+                running.clear()
+                decoder = None
+
+    def _admit(self, waiting: deque, decoder, running: list[_Pending]) -> None:
+        """Prefill the requests at the head of ``waiting`` that use the running adapter and fit."""
+        from flow_assets.policy.decode import DecodeRow, row_streams
+
+        rows: list[DecodeRow] = []
+        adapter = waiting[0].adapter_path
+        while waiting and waiting[0].adapter_path == adapter:
+            request = waiting[0]
+            if decoder.size + len(rows) + request.n > self.max_batch_rows and (decoder.size or rows):
+                break
+            waiting.popleft()
+            if not request.future.set_running_or_notify_cancel():
+                continue  # the caller went away
+            pending = _Pending(request, [None] * request.n, request.n)
+            error = self._invalid(request)
+            if error is not None:
+                if isinstance(error, Exception):
+                    request.future.set_exception(error)
+                else:
+                    request.future.set_result([Rollout(0, i, "", list(request.prompt_ids), [], "", [], False, error) for i in range(request.n)])
+                continue
+            seed = request.seed if request.seed is not None else int(self._rng.integers(2**63))
+            for i, stream in enumerate(row_streams(seed, request.n)):
+                rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream, (pending, i)))
+            running.append(pending)
+        if rows:
+            self.batches += 1
+            self.rows += len(rows)
+            self._finish(decoder.add(rows), running)
+
+    def _invalid(self, request: GenerationRequest) -> str | Exception | None:
+        """Why ``request`` cannot be decoded: a ``ValueError`` for invalid settings (as
+        ``sample_token_ids`` raises), an error text for a prompt it cannot sample, else ``None``."""
+        if request.n < 1 or request.max_tokens < 1 or request.temperature < 0 or not 0 < request.top_p <= 1:
+            return ValueError(f"invalid sampling settings: n {request.n}, max_tokens {request.max_tokens}, "
+                              f"temperature {request.temperature}, top_p {request.top_p}")  # fmt: skip
+        if not request.prompt_ids:
+            return "empty prompt"
+        if self.max_positions is not None and len(request.prompt_ids) + request.max_tokens > self.max_positions:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens {request.max_tokens} exceeds "
+                f"the model's {self.max_positions} positions"
+            )
+        return None
+
+    def _finish(self, done: list[DecodeRow], running: list[_Pending]) -> None:
+        """Record finished rows; answer the requests whose rows are all done."""
+        import math
+
+        for row in done:
+            pending, i = row.owner
+            if all(math.isfinite(x) for x in row.logprobs):
+                rollout = Rollout(0, i, "", row.prompt_ids, row.tokens, "", row.logprobs, row.finished)
+            else:
+                rollout = Rollout(0, i, "", row.prompt_ids, [], "", [], False, "non-finite log-prob")
+            pending.results[i] = rollout
+            pending.left -= 1
+            if pending.left == 0:
+                running.remove(pending)
+                pending.request.future.set_result(pending.results)

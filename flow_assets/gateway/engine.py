@@ -182,7 +182,14 @@ class PolicyEngine:
         """The model's context length in tokens (prompt + completion)."""
         return getattr(self.config, "max_position_embeddings", None)
 
-    def _activate(self, path: str) -> PeftModel:
+    def activate(self, path: str) -> PeftModel:
+        """The model with the adapter at ``path`` active (loaded on first use; the least recently
+        used one unloaded beyond ``max_adapters``). Transformers backend only.
+
+        Raises:
+            OSError / ValueError: from PEFT, when the adapter directory is missing or does not fit
+                the base model.
+        """
         if path in self._loaded:
             name = self._loaded.pop(path)
             self._loaded[path] = name
@@ -220,5 +227,5 @@ class PolicyEngine:
         if self._vllm is not None:
             return self._vllm.generate(adapter_path, prompt_ids, config, temperatures, top_ps)
         return self._sample_token_ids(
-            self._activate(adapter_path), self.tokenizer, prompt_ids, config, temperatures=temperatures, top_ps=top_ps
+            self.activate(adapter_path), self.tokenizer, prompt_ids, config, temperatures=temperatures, top_ps=top_ps
         )

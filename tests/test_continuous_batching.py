@@ -1,0 +1,126 @@
+"""Continuous batching on the real tiny model: rows join a running batch at token boundaries and
+sample exactly what they would alone (tokens, and log-probs equal to teacher forcing), seeded
+requests are reproducible whatever they are batched with, and the gateway's batcher answers
+each call when its own completion ends."""
+
+import time
+
+import pytest
+import torch
+
+from flow_assets.gateway.batcher import ContinuousBatcher, GenerationRequest
+from flow_assets.gateway.engine import PolicyEngine
+from flow_assets.policy.decode import DecodeRow, RowDecoder, row_streams
+from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter
+from flow_assets.policy.sampling import SamplingConfig, completion_logprobs, sample_token_ids
+from flow_assets.policy.tiny_model import TinyModelConfig, load_policy, save_tiny_policy
+
+PREFIX = "S:You are a careful agent. Answer briefly.\nU:"  # longer than MIN_SHARED_PREFIX
+QUESTIONS = ["abc=", "hello there=", "x=", "level=", "a much longer question than the rest="]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    model, tok = load_policy(save_tiny_policy(tmp_path_factory.mktemp("policy"), TinyModelConfig(seed=3)))
+    model = add_lora_adapter(model, LoraAdapterConfig(rank=4, seed=1))
+    with torch.no_grad():  # an adapter that changes the outputs, as a trained one does
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    return model.eval(), tok
+
+
+def _prompts(tok):
+    return [tok(PREFIX + q)["input_ids"] for q in QUESTIONS]
+
+
+def test_row_streams_are_splitmix64():
+    # SplitMix64 seeded with 0: its first outputs (Vigna's reference implementation)
+    assert row_streams(0, 2) == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    assert row_streams(-1, 1) == row_streams(2**64 - 1, 1)  # seeds are taken modulo 2^64
+
+
+def test_greedy_rows_joining_mid_run_decode_exactly_what_sample_token_ids_decodes(policy):
+    model, tok = policy
+    prompts = _prompts(tok)
+    reference = sample_token_ids(model, tok, prompts, SamplingConfig(num_samples=1, temperature=0.0, max_new_tokens=20))
+    decoder = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+    rows = [DecodeRow(p, 0.0, 1.0, 20, s) for p, s in zip(prompts, row_streams(0, len(prompts)))]
+    done = decoder.add(rows[:2])  # these two share the prefix: computed once
+    for _ in range(3):
+        done += decoder.step()
+    done += decoder.add(rows[2:4])  # join three tokens later, at a shorter width than the batch
+    done += decoder.step()
+    done += decoder.add([rows[4], DecodeRow(tok("zz")["input_ids"], 0.0, 1.0, 20, 1)])  # no shared prefix
+    while decoder.size:
+        done += decoder.step()
+    assert len(done) == 6 and decoder.size == 0
+    for row, want in zip(rows, reference):
+        assert row.tokens == want.completion_ids and row.finished == want.finished
+        assert row.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_a_sampled_row_is_the_same_alone_or_joining_others_and_its_logprobs_are_teacher_forcings(policy):
+    model, tok = policy
+    prompts = _prompts(tok)
+
+    def decode(waves, max_tokens=24):
+        decoder = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+        rows = {}
+        for wave in waves:
+            new = [DecodeRow(prompts[i], 0.8, 0.9, max_tokens + i, row_streams(40 + i, 1)[0]) for i in wave]
+            rows.update(zip(wave, new))
+            decoder.add(new)
+            decoder.step()
+        while decoder.size:
+            decoder.step()
+        return [rows[i] for i in range(len(prompts))]
+
+    together, staggered = decode([[0, 1, 2, 3, 4]]), decode([[3], [0, 4], [], [1, 2]])
+    for a, b in zip(together, staggered):
+        assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert len(a.tokens) == a.max_tokens or a.finished  # each row stops at its own cap
+    logp, _ = completion_logprobs(model, prompts, [r.tokens for r in together], tok.pad_token_id, 0.8)
+    for i, row in enumerate(together):
+        assert torch.allclose(logp[i, : len(row.tokens)], torch.tensor(row.logprobs), atol=1e-4)
+    assert len({tuple(r.tokens) for r in together}) == len(prompts)
+
+
+@pytest.fixture(scope="module")
+def engine(fresh_policy_dir):
+    return PolicyEngine(fresh_policy_dir / "base")
+
+
+def _request(engine, text, adapter, **settings):
+    from flow_assets.policy.chat import render_prompt
+
+    _, ids = render_prompt(engine.tokenizer, [{"role": "user", "content": text}])
+    return GenerationRequest(adapter, ids, settings.pop("n", 1), settings.pop("temperature", 1.0), 1.0, settings.pop("max_tokens", 16), **settings)
+
+
+def test_the_batcher_admits_calls_into_the_running_batch_and_seeds_are_reproducible(engine, fresh_policy_dir):
+    adapter = str(fresh_policy_dir / "adapters" / "v0")
+    batcher = ContinuousBatcher(engine.activate, engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id, engine.max_positions)
+    try:
+        alone = batcher.submit(_request(engine, "12*34", adapter, seed=7, n=2, max_tokens=20)).result(timeout=60)
+        long = batcher.submit(_request(engine, "5+5", adapter, seed=1, max_tokens=60, temperature=0.0))
+        time.sleep(0.05)  # the long one is decoding
+        steps = batcher.steps
+        joined = batcher.submit(_request(engine, "12*34", adapter, seed=7, n=2, max_tokens=20)).result(timeout=60)
+        long.result(timeout=60)
+        # the seeded call samples the same completions, in a batch or alone; its two choices differ
+        assert [r.completion_ids for r in joined] == [r.completion_ids for r in alone]
+        for a, b in zip(joined, alone):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert alone[0].completion_ids != alone[1].completion_ids
+        # it joined the running batch: the 60-token greedy row and its 20-token rows shared steps
+        assert batcher.steps - steps < 60 + 19
+        assert all(len(r.completion_ids) <= 20 for r in joined)
+        # errors: a prompt beyond the context is an error rollout; a missing adapter fails only its call
+        too_long = batcher.submit(_request(engine, "1+1", adapter, max_tokens=engine.max_positions)).result(timeout=60)
+        assert too_long[0].error and "exceeds" in too_long[0].error
+        with pytest.raises((OSError, ValueError)):
+            batcher.submit(_request(engine, "1+1", str(fresh_policy_dir / "adapters" / "nowhere"))).result(timeout=60)
+        assert len(batcher.submit(_request(engine, "1+1", adapter, max_tokens=3)).result(timeout=60)[0].completion_ids) <= 3
+    finally:
+        batcher.close()
