@@ -212,6 +212,34 @@ def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
     return {"content": content}
 
 
+class _Metrics:
+    """ASGI middleware counting requests and their latency per route template and status (a
+    plain ASGI callable: Starlette's ``@app.middleware("http")`` runs every request through an
+    extra task and memory streams, a fixed cost per call on the gateway's event loop)."""
+
+    def __init__(self, app, requests_total: Counter, latency: Histogram):
+        self.app, self.requests_total, self.latency = app, requests_total, latency
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = getattr(scope.get("route"), "path", "(unmatched)")  # the router sets it on this scope
+            self.requests_total.labels(path, str(status)).inc()
+            self.latency.labels(path).observe(time.perf_counter() - started)
+
+
 def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     """The FastAPI application serving ``gateway`` (module docstring); ``tokens``: the bearer
     tokens every route but ``/health`` asks for (none: no token asked, for loopback only)."""
@@ -240,15 +268,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
     tokens_served = Counter("flowopt_gateway_tokens", "tokens served by kind (prompt, completion) and adapter version", ["kind", "adapter"], registry=metrics)
 
-    @app.middleware("http")
-    async def _measure(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "(unmatched)")
-        requests_total.labels(path, str(response.status_code)).inc()
-        latency.labels(path).observe(time.perf_counter() - started)
-        return response
+    app.add_middleware(_Metrics, requests_total=requests_total, latency=latency)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
