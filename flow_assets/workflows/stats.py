@@ -185,26 +185,66 @@ def _difference(s_1: int, n_1: int, s_2: int, n_2: int, z: float) -> tuple[float
 STEPS_PER_BUCKET = 1_000_000
 
 
-def _calls_in_buckets(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
-    # (``agent_id, tool, status, confidence, duration_ms`` of every tool call, ``agent_id, tool,
-    # first, success, failed`` of :func:`trajectory_tools`: one row per trajectory and tool called
-    # in it). The ordinal's window holds its whole input, so the trajectories are split by a hash
-    # of their id into buckets of about STEPS_PER_BUCKET steps, each computed on its own: all
-    # rows of a trajectory fall in one bucket, so the rows are those of one pass (in another
-    # order). Only these narrow columns are kept: at 4M steps one pass through the windows with
-    # the calls' keys peaked ~0.6 GB above the rest of the asset, and the per-call quantiles,
-    # which the streaming engine runs in memory, another ~0.4 GB.
+def _per_call_and_trajectory(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    # The per-(agent, tool) figures of the calls (``calls, errors, latency_*, confidence_*``) and
+    # of the trajectories that call the tool (``position, taken_*, failed_*``). The ordinal is a
+    # window over the trajectory key, which holds its whole input in memory, so the trajectories
+    # are split by a hash of their id into buckets of about STEPS_PER_BUCKET steps (all rows of a
+    # trajectory fall in one bucket), and of each bucket only what the figures need is kept:
+    # counts, and the values whose quantiles, median or mean are taken (8 bytes each). Counts add
+    # up and a quantile or median does not depend on the order of its values, so the figures are
+    # those of one pass; a mean may differ in its last bit (the order of its sum). At 16M steps
+    # the calls with their keys, one pass, held ~1.5 GB; kept whole per bucket, ~0.5 GB.
     n_steps = steps.select(pl.len()).collect().item()
     buckets = max(1, -(-n_steps // STEPS_PER_BUCKET))
-    per_call, per_tool = [], []
+    labelled = pl.col("success").is_not_null()
+    call_parts, tool_parts = [], []
     for bucket in range(buckets):
         mine = pl.col("trajectory_id").hash(seed=0) % buckets == bucket
         part_steps, part_trajectories = (steps, trajectories) if buckets == 1 else (steps.filter(mine), trajectories.filter(mine))
         calls = _tool_calls(part_steps, part_trajectories, config, ("confidence", "duration_ms")).collect(engine="streaming")
-        per_call.append(calls.select("agent_id", "tool", "status", "confidence", "duration_ms"))
-        per_tool.append(trajectory_tools(calls.lazy()).select("agent_id", "tool", "first", "success", "failed").collect())
+        call_parts.append(
+            calls.group_by("agent_id", "tool").agg(
+                calls=pl.len(),
+                errors=(pl.col("status") == "error").sum(),
+                durations=pl.col("duration_ms").drop_nulls(),
+                confidences=pl.col("confidence").drop_nulls(),
+            )
+        )
+        tool_parts.append(
+            trajectory_tools(calls.lazy()).group_by("agent_id", "tool").agg(
+                firsts=pl.col("first"),
+                taken_n=labelled.sum(),
+                taken_s=(labelled & pl.col("success")).sum(),
+                failed_n=(labelled & pl.col("failed")).sum(),
+                failed_s=(labelled & pl.col("failed") & pl.col("success")).sum(),
+            ).collect()
+        )
         del calls
-    return pl.concat(per_call), pl.concat(per_tool)
+    group = ["agent_id", "tool"]
+    calls = pl.concat(call_parts)
+    latency = calls.select(*group, "durations").explode("durations").group_by(group).agg(
+        latency_n=pl.col("durations").count(),
+        latency_p50_ms=pl.col("durations").quantile(0.5, "linear"),
+        latency_p95_ms=pl.col("durations").quantile(0.95, "linear"),
+    )
+    confidence = calls.select(*group, "confidences").explode("confidences").group_by(group).agg(
+        confidence_n=pl.col("confidences").count(), confidence_mean=pl.col("confidences").mean()
+    )
+    per_call = (
+        calls.group_by(group).agg(pl.col("calls", "errors").sum())
+        .join(latency, on=group, how="left")
+        .join(confidence, on=group, how="left")
+        .with_columns(pl.col("latency_n", "confidence_n").fill_null(0))  # no value logged: exploded to no row
+    )  # fmt: skip
+    tools = pl.concat(tool_parts)
+    position = tools.select(*group, "firsts").explode("firsts").group_by(group).agg(
+        position=pl.col("firsts").median().cast(pl.Float64)
+    )
+    per_trajectory = tools.group_by(group).agg(pl.col("taken_n", "taken_s", "failed_n", "failed_s").sum()).join(
+        position, on=group, how="left"
+    )
+    return per_call, per_trajectory
 
 
 def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: StepStatsConfig = StepStatsConfig()) -> pl.DataFrame:
@@ -218,24 +258,7 @@ def step_statistics(steps: pl.LazyFrame, trajectories: pl.LazyFrame, config: Ste
     Returns:
         One row per tool an agent called; an agent without tool calls has no row.
     """
-    calls, tools = _calls_in_buckets(steps, trajectories, config)
-    per_call = calls.group_by("agent_id", "tool").agg(
-        calls=pl.len(),
-        errors=(pl.col("status") == "error").sum(),
-        latency_n=pl.col("duration_ms").count(),
-        latency_p50_ms=pl.col("duration_ms").quantile(0.5, "linear"),
-        latency_p95_ms=pl.col("duration_ms").quantile(0.95, "linear"),
-        confidence_n=pl.col("confidence").count(),
-        confidence_mean=pl.col("confidence").mean(),
-    )
-    labelled = pl.col("success").is_not_null()
-    per_trajectory = tools.group_by("agent_id", "tool").agg(
-        position=pl.col("first").median().cast(pl.Float64),
-        taken_n=labelled.sum(),
-        taken_s=(labelled & pl.col("success")).sum(),
-        failed_n=(labelled & pl.col("failed")).sum(),
-        failed_s=(labelled & pl.col("failed") & pl.col("success")).sum(),
-    )
+    per_call, per_trajectory = _per_call_and_trajectory(steps, trajectories, config)
     agents = outcomes(trajectories, config).group_by("agent_id").agg(
         agent_trajectories=pl.col("success").count(), agent_s=pl.col("success").sum()
     )
