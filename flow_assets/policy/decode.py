@@ -6,7 +6,9 @@ batch running instead (the iteration-level scheduling of Orca, Yu et al., OSDI 2
 and TGI call continuous batching): :meth:`RowDecoder.add` runs the prompts of new rows through
 the model and merges their keys and values into the running batch, :meth:`RowDecoder.step`
 decodes one token of every row and hands back the rows that are done (``eos`` or their own
-``max_tokens``), which leave the batch at once.
+``max_tokens``). Their cache rows are dropped at the next merge, or once they are a quarter of the
+batch: dropping copies every row's keys and values, while decoding a few more rows along (their
+tokens never read) costs little.
 
 Layout. Per layer one cache ``[rows, kv_heads, capacity, head_dim]`` in which every row is right
 aligned: all rows write their next token at the same column, a row's own tokens are the columns
@@ -153,11 +155,12 @@ class RowDecoder:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.layers = model.config.num_hidden_layers
-        self.rows: list[DecodeRow] = []
+        self.rows: list[DecodeRow | None] = []
         self._empty()
 
     def _empty(self) -> None:
-        self.rows = []
+        self.rows = []  # one slot per cache row; None: a row that is done and not yet dropped
+        self.live = 0
         self.cache: _RowCache | None = None
         self.valid = torch.zeros((0, 0), dtype=torch.bool)  # [rows, capacity]
         self.last = torch.zeros(0, dtype=torch.long)  # [rows] token fed at the next step
@@ -176,7 +179,7 @@ class RowDecoder:
     @property
     def size(self) -> int:
         """Rows decoding now."""
-        return len(self.rows)
+        return self.live
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: _RowCache) -> torch.Tensor:
         """Logits ``[rows, vocab]`` after the last column of ``ids: [rows, q]``; ``allowed:
@@ -270,44 +273,49 @@ class RowDecoder:
 
     def _merge(self, rows, cache: _RowCache, valid, last, positions, states) -> None:
         """Join prefilled ``rows`` (their cache right-aligned at ``cache.length``) to the batch."""
-        if not self.rows:
+        if not self.live:
             self.rows, self.cache, self.valid, self.last, self.positions = list(rows), cache, valid, last, positions
             self.states, self.draws = states, np.ones(len(rows), dtype=np.uint64)
+            self.live = len(rows)
             self._settings(self.rows)
             return
         old = self.cache
-        used = self.valid[:, : old.length].any(0).nonzero()
+        keep = [i for i, r in enumerate(self.rows) if r is not None]  # rows that are done are dropped here
+        index = torch.tensor(keep)
+        mine = self.valid.index_select(0, index)
+        used = mine[:, : old.length].any(0).nonzero()
         start = int(used[0]) if len(used) else old.length  # columns before it: padding for every row
         kept = old.length - start
         length = max(kept, cache.length)
-        everyone = [*self.rows, *rows]
-        remaining = max(r.max_tokens - len(r.tokens) for r in everyone)
-        capacity = length + remaining
-        a, b = len(self.rows), len(rows)
+        everyone = [*(self.rows[i] for i in keep), *rows]
+        capacity = length + max(r.max_tokens - len(r.tokens) for r in everyone)
+        a, b = len(keep), len(rows)
         keys, values = [], []
-        for mine, theirs in ((old.keys, cache.keys), (old.values, cache.values)):
-            for x, y in zip(mine, theirs):
+        for ours, theirs, out in ((old.keys, cache.keys, keys), (old.values, cache.values, values)):
+            for x, y in zip(ours, theirs):
                 z = x.new_zeros((a + b, x.shape[1], capacity, x.shape[3]))
-                z[:a, :, length - kept : length] = x[:, :, start : old.length]
+                z[:a, :, length - kept : length] = x.index_select(0, index)[:, :, start : old.length]
                 z[a:, :, length - cache.length : length] = y[:, :, : cache.length]
-                (keys if mine is old.keys else values).append(z)
+                out.append(z)
         merged = torch.zeros((a + b, capacity), dtype=torch.bool)
-        merged[:a, length - kept : length] = self.valid[:, start : old.length]
+        merged[:a, length - kept : length] = mine[:, start : old.length]
         merged[a:, length - cache.length : length] = valid[:, : cache.length]
         self.rows, self.cache, self.valid = everyone, _RowCache(self.layers, length, capacity, keys, values), merged
-        self.last = torch.cat([self.last, last])
-        self.positions = torch.cat([self.positions, positions])
-        self.states = np.concatenate([self.states, states])
-        self.draws = np.concatenate([self.draws, np.ones(b, dtype=np.uint64)])
+        self.last = torch.cat([self.last[index], last])
+        self.positions = torch.cat([self.positions[index], positions])
+        self.states = np.concatenate([self.states[keep], states])
+        self.draws = np.concatenate([self.draws[keep], np.ones(b, dtype=np.uint64)])
+        self.live = a + b
         self._settings(self.rows)
 
     def step(self) -> list[DecodeRow]:
         """Decode one token of every row.
 
         Returns:
-            The rows done after this token (``eos`` or ``max_tokens``); they have left the batch.
+            The rows done after this token (``eos`` or ``max_tokens``); they are no longer decoded
+            for (module docstring).
         """
-        if not self.rows:
+        if not self.live:
             return []
         with torch.inference_mode():
             cache = self.cache
@@ -319,19 +327,23 @@ class RowDecoder:
             self.draws += np.uint64(1)
             self.positions += 1
             self.last = torch.tensor(tokens)
-            done, keep = [], []
+            done = []
             for i, (r, token, lp) in enumerate(zip(self.rows, tokens, logps)):
+                if r is None:
+                    continue  # done earlier: decoded along until the rows are compacted, never read
                 r.tokens.append(token)
                 r.logprobs.append(lp)
                 r.finished = token == self.eos
                 if r.finished or len(r.tokens) >= r.max_tokens:
                     done.append(r)
-                else:
-                    keep.append(i)
-            if not keep:
+                    self.rows[i] = None
+            self.live -= len(done)
+            if not self.live:
                 self._empty()
-            elif done:
-                self._keep(keep)
+            elif 4 * (len(self.rows) - self.live) >= len(self.rows):
+                # rows that are done leave the cache when they are a quarter of it (or at the next
+                # merge): dropping them copies every row's keys and values, decoding them is cheap
+                self._keep([i for i, r in enumerate(self.rows) if r is not None])
             return done
 
     def _keep(self, keep: list[int]) -> None:
