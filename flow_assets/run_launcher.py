@@ -60,16 +60,21 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         preload_modules: modules the spare imports before it waits for a run (names, e.g.
             ``["torch", "flow_assets.definitions"]``); one that fails to import is reported on
             the worker's stderr and skipped, never fatal.
+        spares: how many spares to keep (>= 1). Two launches close together (a round's history
+            refresh and the next collection; a short data-plane run then the training round)
+            each find one whose imports are done with 2; with 1 the second waits for imports.
 
     Raises:
         dagster.DagsterInvariantViolationError: from ``launch_run`` when the run has no code origin.
     """
 
-    def __init__(self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = ()):
+    def __init__(self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1):
         self._inst_data = inst_data
         self.preload_modules = tuple(check.sequence_param(preload_modules, "preload_modules", of_type=str))
+        self.spares = check.int_param(spares, "spares")
+        check.invariant(self.spares >= 1, f"WarmRunLauncher: spares must be >= 1, got {spares}")
         self._lock = threading.Lock()
-        self._spare: subprocess.Popen | None = None
+        self._spares: list[subprocess.Popen] = []
         self._workers: dict[str, subprocess.Popen] = {}
         super().__init__()
 
@@ -81,11 +86,14 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
     def config_type(cls) -> dict:
         from dagster import Array, Field, Noneable
 
-        return {"preload_modules": Field(Noneable(Array(str)), is_required=False, default_value=[])}
+        return {
+            "preload_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
+            "spares": Field(int, is_required=False, default_value=1),
+        }
 
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]) -> "WarmRunLauncher":
-        return cls(inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [])
+        return cls(inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1))
 
     def _start_worker(self) -> subprocess.Popen:
         from dagster._serdes import serialize_value
@@ -100,12 +108,18 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return worker
 
     def _take_spare(self) -> subprocess.Popen:
-        """The spare if it is still alive, else a new worker; a new spare is started either way."""
+        """The oldest spare whose imports are done, else the oldest live one (furthest along),
+        else a new worker; the spares are topped up to ``spares`` either way."""
         with self._lock:
-            worker, self._spare = self._spare, None
-            if worker is None or worker.poll() is not None:
+            self._spares = [w for w in self._spares if w.poll() is None]
+            ready = [w for w in self._spares if _is_ready(w)]
+            worker = (ready or self._spares or [None])[0]
+            if worker is None:
                 worker = self._start_worker()
-            self._spare = self._start_worker()
+            else:
+                self._spares.remove(worker)
+            while len(self._spares) < self.spares:
+                self._spares.append(self._start_worker())
         return worker
 
     def launch_run(self, context: LaunchRunContext) -> None:
@@ -185,11 +199,13 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return CheckRunHealthResult(WorkerStatus.RUNNING)
 
     def dispose(self) -> None:
-        """Stop the spare (a worker with a run keeps running it)."""
+        """Stop the spares (a worker with a run keeps running it)."""
         with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and spare.poll() is None:
-            spare.stdin.close()  # EOF: the spare exits without running anything
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            if spare.poll() is None:
+                spare.stdin.close()  # EOF: the spare exits without running anything
+        for spare in spares:
             try:
                 spare.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -60,7 +60,7 @@ def setup(tmp_path):
     home.mkdir()
     (home / "dagster.yaml").write_text(
         "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.run_launcher\n  class: WarmRunLauncher\n"
-        "  config: {preload_modules: [dagster]}\n"
+        "  config: {preload_modules: [dagster], spares: 2}\n"
     )
     instance = DagsterInstance.from_config(str(home))
     yield instance, jobs, out
