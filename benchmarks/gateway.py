@@ -234,7 +234,7 @@ def run(quick: bool = False) -> dict:
           if extra_135m else []),
         *({"figure": f"completions/s through the gateway, {c} agents", "value": r["completions_per_second"], "unit": "compl/s",
            "note": f"in process at batch {c}: {r['in_process_completions_per_second']:.0f}/s; "
-                   f"{r['mean_rows_per_generation']:.1f} sequences per generate call"} for c, r in rates.items()),
+                   f"{r['mean_rows_per_generation']:.1f} sequences per admission (calls prefilled together; a generate call with continuous=False)"} for c, r in rates.items()),
         *([{"figure": "SmolLM2-135M sampling through the gateway, 64 word-problem agents", "value": smollm2["tokens_per_second"],
             "unit": "tokens/s", "note": f"{smollm2['completion_tokens']} tokens in {smollm2['seconds']:.0f} s ({smollm2['llm_calls']} calls); "
                                         f"in process, their first turns in one batch: {smollm2['in_process_tokens_per_second']:.0f} tokens/s"}]
