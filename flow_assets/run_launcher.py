@@ -8,7 +8,9 @@ times per training round (collect, data plane, round, history). :class:`WarmRunL
 threads do not matter) that has already imported ``preload_modules`` and waits on its stdin.
 Launching a run hands the spare the run's :class:`ExecuteRunArgs` (what ``dagster api
 execute_run`` takes) and starts the next spare, so the import cost is paid while the previous run
-works, not on the critical path. Every run still gets a process of its own that nothing ran in
+works, not on the critical path. When no spare has finished its imports (a burst of launches),
+the run goes to a new worker that preloads nothing and imports what its steps need, as under the
+default launcher. Every run still gets a process of its own that nothing ran in
 before: the isolation of the default launcher is kept.
 
 Stale code: a spare that imported the project's own modules (anything outside the standard library
@@ -95,10 +97,10 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
     def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]) -> "WarmRunLauncher":
         return cls(inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1))
 
-    def _start_worker(self) -> subprocess.Popen:
+    def _start_worker(self, preload: Sequence[str]) -> subprocess.Popen:
         from dagster._serdes import serialize_value
 
-        command = [sys.executable, "-m", "flow_assets.run_launcher", *self.preload_modules]
+        command = [sys.executable, "-m", "flow_assets.run_launcher", *preload]
         # own process group: terminating one run never signals the daemon
         worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         assert worker.stdin is not None
@@ -108,18 +110,20 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return worker
 
     def _take_spare(self) -> subprocess.Popen:
-        """The oldest spare whose imports are done, else the oldest live one (furthest along),
-        else a new worker; the spares are topped up to ``spares`` either way."""
+        """The oldest spare whose imports are done; if none is, a new *lean* worker that
+        preloads nothing (a run imports what its steps need, as under Dagster's default
+        launcher: a burst of launches, e.g. nine landed log files, must not wait for nine copies
+        of torch). The spares are topped up to ``spares`` either way."""
         with self._lock:
             self._spares = [w for w in self._spares if w.poll() is None]
             ready = [w for w in self._spares if _is_ready(w)]
-            worker = (ready or self._spares or [None])[0]
-            if worker is None:
-                worker = self._start_worker()
-            else:
+            if ready:
+                worker = ready[0]
                 self._spares.remove(worker)
+            else:
+                worker = self._start_worker(())
             while len(self._spares) < self.spares:
-                self._spares.append(self._start_worker())
+                self._spares.append(self._start_worker(self.preload_modules))
         return worker
 
     def launch_run(self, context: LaunchRunContext) -> None:
@@ -140,7 +144,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=self._instance.get_ref(), set_exit_code_on_failure=True)
         self._instance.add_run_tags(run.run_id, {PID_TAG: str(worker.pid), WARM_TAG: str(warm).lower()})
         self._instance.report_engine_event(
-            f"Handed to run worker pid {worker.pid} ({'imports done' if warm else 'still importing'}).", run, cls=self.__class__
+            f"Handed to run worker pid {worker.pid} ({'a spare, imports done' if warm else 'a new worker: no spare had finished its imports'}).", run, cls=self.__class__
         )
         assert worker.stdin is not None
         worker.stdin.write(serialize_value(args) + "\n")

@@ -109,7 +109,7 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
     assert run.tags[WARM_TAG] == "true"
     messages = _messages(instance, second)
-    assert any(f"Handed to run worker pid {pids[1]} (imports done)" in m for m in messages), messages
+    assert any(f"Handed to run worker pid {pids[1]} (a spare, imports done)" in m for m in messages), messages
 
 
 def test_terminate_interrupts_the_run_and_a_dead_worker_fails_its_run(setup):
