@@ -5,8 +5,8 @@ Units: seconds for times, MB (2**20 bytes) for memory.
 
 A benchmark that needs an honest peak memory runs its work in a child process
 (:func:`run_child`): a process's peak RSS only ever grows, so measuring several sizes in one
-process would report the largest size for all of them. The child's peak comes from ``os.wait4``,
-which returns the resource usage of exactly that child.
+process would report the largest size for all of them. The child measures its own peak
+(``VmHWM`` and its waited-for descendants' ``ru_maxrss``) before it exits.
 """
 
 from __future__ import annotations
@@ -129,8 +129,11 @@ def run_child(target: str, kwargs: dict, timeout: float = 600.0) -> tuple[dict, 
         timeout: seconds before the child is killed.
 
     Returns:
-        The function's dict and the child's peak resident set size in MB (``ru_maxrss`` of that
-        child alone, from ``os.wait4``).
+        The function's dict and the child's peak resident set size in MB: the larger of its own
+        peak (``VmHWM``) and that of the descendants it waited for, as the child measured them
+        (:func:`_peak_rss_mb`). Not ``os.wait4``'s ``ru_maxrss``: Linux carries the parent's
+        peak across fork and exec into it, so a child started by a benchmark process that had
+        loaded SmolLM2 reported 5,142 MB at every data-plane size.
 
     Raises:
         ChildError: the child exited non-zero, was killed, or wrote no result.
@@ -143,14 +146,15 @@ def run_child(target: str, kwargs: dict, timeout: float = 600.0) -> tuple[dict, 
             timer = threading.Timer(timeout, proc.kill)
             timer.start()
             try:
-                _, status, usage = os.wait4(proc.pid, 0)
+                _, status, _ = os.wait4(proc.pid, 0)
             finally:
                 timer.cancel()
             proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0 or not out.exists():
             tail = log.read_text(errors="replace")[-3000:]
             raise ChildError(f"{target} exited with {proc.returncode}:\n{tail}")
-        return json.loads(out.read_text()), usage.ru_maxrss / 1024.0
+        result = json.loads(out.read_text())
+        return result["result"], result["peak_rss_mb"]
 
 
 def _child_main(argv: list[str]) -> None:
@@ -158,7 +162,19 @@ def _child_main(argv: list[str]) -> None:
     module_name, _, function_name = target.partition(":")
     function = getattr(importlib.import_module(module_name), function_name)
     result = function(**json.loads(kwargs_json))
-    Path(out).write_text(json.dumps(result))
+    Path(out).write_text(json.dumps({"result": result, "peak_rss_mb": _peak_rss_mb()}))
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set size (``VmHWM``: its own address space since exec) or
+    that of the largest descendant it waited for (``RUSAGE_CHILDREN``), whichever is larger, MB."""
+    import resource
+
+    own = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            own = int(line.split()[1]) / 1024.0
+    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0)
 
 
 def rss_mb() -> float:
