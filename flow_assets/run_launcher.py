@@ -64,9 +64,11 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             the worker's stderr and skipped, never fatal.
         spares: how many spares to keep (>= 1). Two launches close together (a round's history
             refresh and the next collection; a short data-plane run then the training round)
-            each find one whose imports are done with 2; with 1 the second waits for imports.
+            each find one whose imports are done with 2; with 1 the second goes to a new worker
+            that imports what its steps need.
 
     Raises:
+        dagster_shared.check.CheckError: ``spares`` < 1 or not an int.
         dagster.DagsterInvariantViolationError: from ``launch_run`` when the run has no code origin.
     """
 
