@@ -135,7 +135,7 @@ def daemon_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, t
     )  # fmt: skip
     out = run_phase(state, instance, TrajectoryLake(root=str(state.lake)), phase, timeout=600)
     records = instance.get_run_records(RunsFilter())
-    lines, end = [], None
+    lines = []
     for line in out["lines"]:
         finished = next(r for r in records if r.dagster_run.run_id == line["run_id"]).end_time
         start = finished - line["seconds"]
@@ -152,8 +152,7 @@ def daemon_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, t
             "other_asset_work": inside - collection - line["training_seconds"] - evaluation,
             "dagster_overhead": line["seconds"] - inside, "step_seconds": steps,
         })  # fmt: skip
-        end = finished
-    return {"base_policy_seconds": out["base_seconds"], "rounds": lines, "last_round_end": end}
+    return {"base_policy_seconds": out["base_seconds"], "rounds": lines}
 
 
 def _split(rounds: list[dict]) -> dict:
