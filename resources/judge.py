@@ -7,6 +7,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from flow_assets.rl.judge import DEFAULT_RUBRIC, MODES, JudgeCache, JudgeSettings
+from flow_assets.settings import DEFAULT_JUDGE_CACHE
 
 
 class JudgeEndpoint(ConfigurableResource):
@@ -20,7 +21,7 @@ class JudgeEndpoint(ConfigurableResource):
 
     base_url: str = Field("", description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1; empty = no judge")
     model: str = Field("", description="the judge's model name at that endpoint")
-    api_key: str = Field("unused", description="bearer key; set it with EnvVar('FLOWOPT_JUDGE_API_KEY')")
+    api_key: str = Field("unused", description="bearer key; set it with EnvVar('FLOWOPT_JUDGE_API_KEY'), as the code location does")
     mode: str = Field("relative", description=f"one of {MODES}: a 0-1 score per trajectory, or each group ranked (RULER)")
     rubric: str = Field(DEFAULT_RUBRIC, description="what a good trajectory is, in your words")
     concurrency: int = Field(8, ge=1, description="requests in flight at once")
@@ -30,7 +31,7 @@ class JudgeEndpoint(ConfigurableResource):
     max_tokens: int = Field(256, ge=1, description="longest reply, tokens")
     input_usd_per_mtok: float = Field(0.0, ge=0.0, description="price of prompt tokens, USD per million")
     output_usd_per_mtok: float = Field(0.0, ge=0.0, description="price of completion tokens, USD per million")
-    cache_dir: str = Field(".judge-cache", description="replies cached by content hash; empty = no cache")
+    cache_dir: str = Field(DEFAULT_JUDGE_CACHE, description="replies cached by content hash; empty = no cache")
 
     @property
     def enabled(self) -> bool:

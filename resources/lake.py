@@ -37,6 +37,8 @@ from dagster import ConfigurableResource
 from filelock import FileLock
 from pydantic import Field
 
+from flow_assets.settings import DEFAULT_LAKE
+
 
 @dataclass(frozen=True)
 class BatchManifest:
@@ -209,7 +211,7 @@ class TrajectoryLake(ConfigurableResource):
             object storage.
     """
 
-    root: str = Field(default=".lake", description="Directory of the Parquet lake.")
+    root: str = Field(default=DEFAULT_LAKE, description="Directory of the Parquet lake.")
 
     # -- tables -------------------------------------------------------------------------------
     def partition_path(self, table: str, batch: str) -> Path:

@@ -7,6 +7,8 @@ from fnmatch import fnmatch
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flow_assets.settings import DEFAULT_LANDING, DEFAULT_SETTLE_SECONDS
+
 
 class LogLanding(ConfigurableResource):
     """The landing directory and, optionally, the parser to use per file pattern.
@@ -26,14 +28,14 @@ class LogLanding(ConfigurableResource):
             (:func:`flow_assets.recovery.retire_grown_batches`), so no record lands twice.
     """
 
-    directory: str = Field(default=".landing", description="Landing directory for log files.")
+    directory: str = Field(default=DEFAULT_LANDING, description="Landing directory for log files.")
     formats: dict[str, str] = Field(default_factory=dict, description="glob -> parser name")
     tick_budget_seconds: float = Field(
         default=20.0, ge=0.0, description="seconds a sensor tick may spend hashing new files (at least one file)"
     )
 
     settle_seconds: float = Field(
-        default=10.0, ge=0.0, description="a file modified more recently than this waits for a later tick"
+        default=DEFAULT_SETTLE_SECONDS, ge=0.0, description="a file modified more recently than this waits for a later tick"
     )
 
     def format_for(self, relpath: str) -> str:

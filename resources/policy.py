@@ -9,6 +9,7 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from flow_assets.policy.store import PolicyStore
+from flow_assets.settings import DEFAULT_MODELS
 
 
 class PolicyModel(ConfigurableResource):
@@ -25,7 +26,7 @@ class PolicyModel(ConfigurableResource):
         max_new_tokens: the gateway's completion cap for calls that set none, tokens.
     """
 
-    models_root: str = Field(".models", description="Directory for base model, adapters, rounds, registry.")
+    models_root: str = Field(DEFAULT_MODELS, description="Directory for base model, adapters, rounds, registry.")
     base_model_path: str | None = Field(None, description="A local causal LM to train instead of the tiny model.")
     backend: Literal["transformers", "vllm"] = Field("transformers", description="the gateway's sampling backend")
     lora_rank: int = Field(16, description="LoRA rank of new adapters")

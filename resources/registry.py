@@ -27,6 +27,7 @@ from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow_assets.atomic import write_json_atomic
+from flow_assets.settings import DEFAULT_MODELS
 
 #: files that make a directory a PEFT LoRA adapter: the config and one of the weight files
 ADAPTER_CONFIG = "adapter_config.json"
@@ -149,7 +150,7 @@ class AdapterRegistry(ConfigurableResource):
     ``at`` (UNIX seconds).
     """
 
-    root: str = Field(default=".models", description="Directory of adapters and registry.json.")
+    root: str = Field(default=DEFAULT_MODELS, description="Directory of adapters and registry.json.")
 
     @property
     def path(self) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 from flow_assets.gateway.app import Gateway, GatewayConfig
 from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine
 from flow_assets.gateway.server import GatewayServer
+from flow_assets.settings import DEFAULT_MODELS
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class PolicyStore:
         backend: ``"transformers"`` (CPU or GPU) or ``"vllm"`` (GPU) for the gateway's sampling.
     """
 
-    models_root: str = ".models"
+    models_root: str = DEFAULT_MODELS
     base_model_path: str | None = None
     lora_rank: int = 16
     lora_alpha: float = 32.0

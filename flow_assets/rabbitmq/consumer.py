@@ -46,10 +46,11 @@ from typing import Any
 
 from flow_assets.rabbitmq.joiner import Delivery, Joiner, Output
 from flow_assets.rabbitmq.messages import MAX_DEPTH, MAX_MESSAGE_BYTES, QUEUES, message_id, parse_message
+from flow_assets.settings import DEFAULT_AMQP_URL, DEFAULT_LANDING
 
 EXCHANGE_TYPES = ("fanout", "topic")
 
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+DEFAULT_URL = DEFAULT_AMQP_URL
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class BusConfig:
     """
 
     url: str = DEFAULT_URL
-    landing: Path = Path(".landing")
+    landing: Path = Path(DEFAULT_LANDING)
     queue_prefix: str = ""
     tap: str = "flowopt"
     exchange_type: str = "fanout"
