@@ -6,16 +6,16 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import os
 import sys
 from pathlib import Path
 
 from flow_assets.local import local_instance
 from flow_assets.logs.reader import known_formats
+from flow_assets.settings import DEFAULT_DAGSTER_URL, DEFAULT_LANDING, DEFAULT_MODELS, Settings
 from resources.lake import TrajectoryLake
 
 
-def _ingest(args: argparse.Namespace) -> int:
+def _ingest(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.definitions import build_definitions
     from flow_assets.ingest import EXIT_USAGE, IngestUsageError, exit_code, ingest_files, resolve_arguments
 
@@ -27,10 +27,10 @@ def _ingest(args: argparse.Namespace) -> int:
         print("flowopt ingest: nothing was ingested", file=sys.stderr)
         return EXIT_USAGE
     # the same settings as the code location (flow_assets/definitions.py), so both see one lake
-    landing = Path(args.landing or os.environ.get("FLOWOPT_LANDING", ".landing"))
-    lake_root = Path(args.lake or os.environ.get("FLOWOPT_LAKE", ".lake"))
-    instance = local_instance(args.home)
-    defs = build_definitions(str(lake_root), str(landing))
+    landing = Path(args.landing or settings.landing)
+    lake_root = Path(args.lake or settings.lake)
+    instance = local_instance(args.home or settings.dagster_home)
+    defs = build_definitions(str(lake_root), str(landing), settings=settings)
     results = ingest_files(
         files, defs=defs, instance=instance, lake=TrajectoryLake(root=str(lake_root)), landing=landing,
         fmt=args.format, force=args.force, replace=args.replace, log_level="INFO" if args.verbose else "CRITICAL",
@@ -45,30 +45,30 @@ def _ingest(args: argparse.Namespace) -> int:
     return exit_code(results)
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.demo import DemoState, DemoStateError, run_demo
 
     try:
-        run_demo(DemoState.from_env(args.state), reset=args.reset)
+        run_demo(DemoState.from_settings(settings, args.state), reset=args.reset)
     except (DemoStateError, FileNotFoundError) as exc:
         print(f"flowopt demo: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def _demo_real(args: argparse.Namespace) -> int:
+def _demo_real(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.demo_real import run_real_demo
     from flow_assets.policy.presets import PresetUnavailable
 
     try:
-        run_real_demo(rounds=args.rounds, final_tasks=args.final_tasks)
+        run_real_demo(rounds=args.rounds, final_tasks=args.final_tasks, settings=settings)
     except PresetUnavailable as exc:
         print(f"flowopt demo-real: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.gateway.app import GatewayConfig
     from flow_assets.gateway.guard import RequestLimits
     from flow_assets.gateway.server import check_bind, gateway_tokens, serve_forever
@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"flowopt serve: {bad}", file=sys.stderr)
         return 2
     try:  # before the model loads: a refusal is immediate
-        tokens = gateway_tokens(args.tokens_file)
+        tokens = gateway_tokens(args.tokens_file, settings)
         check_bind(args.host, tokens)
         limits = RequestLimits(int(args.max_body_mb * 1024 * 1024), args.body_timeout)
     except OSError as exc:
@@ -115,12 +115,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def preset_dir(name: str, models: str | Path = ".models") -> Path:
+def preset_dir(name: str, models: str | Path = DEFAULT_MODELS) -> Path:
     """Where ``flowopt models prepare NAME`` puts a preset by default: ``<models>/presets/<name>``."""
     return Path(models) / "presets" / name
 
 
-def _models_prepare(args: argparse.Namespace) -> int:
+def _models_prepare(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.policy.presets import PresetUnavailable, prepare_model
 
     target = Path(args.dir) if args.dir else preset_dir(args.preset)
@@ -133,7 +133,7 @@ def _models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _models_list(args: argparse.Namespace) -> int:
+def _models_list(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.policy.presets import PRESETS, PresetUnavailable, find_gguf, is_prepared
 
     for preset in PRESETS.values():
@@ -148,7 +148,7 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rollback(args: argparse.Namespace) -> int:
+def _rollback(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
     registry = AdapterRegistry(root=args.models)
@@ -161,13 +161,13 @@ def _rollback(args: argparse.Namespace) -> int:
     except RegistryError as exc:
         print(f"flowopt rollback: {exc}", file=sys.stderr)
         return 1
-    _report_champion(registry, args.home, "rollback")
+    _report_champion(registry, args.home, "rollback", settings)
     out = {"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}
     print(json.dumps(out | ({"withdrawn_challenger": challenger["version"]} if challenger else {})))
     return 0
 
 
-def _promote(args: argparse.Namespace) -> int:
+def _promote(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
     registry = AdapterRegistry(root=args.models)
@@ -179,14 +179,15 @@ def _promote(args: argparse.Namespace) -> int:
     except RegistryError as exc:
         print(f"flowopt promote: {exc}", file=sys.stderr)
         return 1
-    _report_champion(registry, args.home, "promote")
+    _report_champion(registry, args.home, "promote", settings)
     print(json.dumps({"previous_champion": before["version"], "champion": after["version"], "adapter_path": after["adapter_path"]}))
     return 0
 
 
-def _report_champion(registry, home: str | None, command: str) -> None:
-    # the UI's `champion` asset shows a change made here beside the promotions made by runs
-    home = home or os.environ.get("DAGSTER_HOME")
+def _report_champion(registry, home: str | None, command: str, settings: Settings) -> None:
+    # the UI's `champion` asset shows a change made here beside the promotions made by runs; an
+    # instance is opened only where one was named, never the default directory
+    home = home or (settings.dagster_home if settings.is_set("dagster_home") else None)
     if home:
         from flow_assets.champion import champion_materialization
 
@@ -195,7 +196,7 @@ def _report_champion(registry, home: str | None, command: str) -> None:
         print(f"flowopt {command}: not recorded in a Dagster instance (set DAGSTER_HOME or --home)", file=sys.stderr)
 
 
-def _registry_rebuild(args: argparse.Namespace) -> int:
+def _registry_rebuild(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
     try:
@@ -207,7 +208,7 @@ def _registry_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry_show(args: argparse.Namespace) -> int:
+def _registry_show(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
     registry = AdapterRegistry(root=args.models)
@@ -220,24 +221,24 @@ def _registry_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bus_config(args: argparse.Namespace):
-    from flow_assets.rabbitmq.consumer import DEFAULT_URL, BusConfig
+def _bus_config(args: argparse.Namespace, settings: Settings):
+    from flow_assets.rabbitmq.consumer import BusConfig
 
     return BusConfig(
-        url=args.url or os.environ.get("FLOWOPT_AMQP_URL", DEFAULT_URL),
-        landing=Path(getattr(args, "landing", None) or os.environ.get("FLOWOPT_LANDING", ".landing")),
+        url=args.url or settings.amqp_url,
+        landing=Path(getattr(args, "landing", None) or settings.landing),
         queue_prefix=args.queue_prefix,
         **{k: v for k, v in vars(args).items() if k in ("tap", "exchange_type", "max_records", "window_s", "unlabelled_timeout_s", "task_ttl_s",
                                                         "prefetch", "idle_exit_s", "max_message_bytes", "max_depth")},
     )  # fmt: skip
 
 
-def _bus_declare(args: argparse.Namespace) -> int:
+def _bus_declare(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
     from flow_assets.rabbitmq.consumer import BusTopologyError, declare
 
-    config = _bus_config(args)
+    config = _bus_config(args, settings)
     try:
         declared = declare(config)
     except (pika.exceptions.AMQPConnectionError, BusTopologyError) as exc:
@@ -247,12 +248,12 @@ def _bus_declare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bus_consume(args: argparse.Namespace) -> int:
+def _bus_consume(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
     from flow_assets.rabbitmq.consumer import BusConsumer, BusTopologyError
 
-    config = _bus_config(args)
+    config = _bus_config(args, settings)
     taps = ", ".join(f"{config.exchange(k)} -> {config.queue(k)}" for k in ("tasks", "responses", "rewards"))
     print(f"flowopt bus consume: {config.url.split('@')[-1]} {config.exchange_type} exchanges -> tap queues {taps}; lands in {config.landing / 'bus'}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -268,12 +269,12 @@ def _bus_consume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bus_publish(args: argparse.Namespace) -> int:
+def _bus_publish(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
     from flow_assets.rabbitmq.consumer import BusTopologyError, publish
 
-    config = _bus_config(args)
+    config = _bus_config(args, settings)
     messages = []
     for number, line in enumerate(Path(args.file).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -293,12 +294,12 @@ def _bus_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api(args: argparse.Namespace) -> int:
+def _api(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from flow_assets.api.server import Limits, create_app, deployment_service, training_dispatcher
 
-    tokens = [t.strip() for t in os.environ.get("FLOWOPT_API_TOKENS", "").split(",") if t.strip()]
+    tokens = list(settings.api_tokens)
     if not tokens:
         print("flowopt api: set FLOWOPT_API_TOKENS (comma-separated bearer tokens); without one every call is refused", file=sys.stderr)
         return 2
@@ -311,9 +312,9 @@ def _api(args: argparse.Namespace) -> int:
     events.addHandler(handler)
     events.setLevel(logging.INFO)
     events.propagate = False
-    instance = local_instance(args.home)
-    service = deployment_service(instance, args.dagster_url)
-    exports = os.environ.get("FLOWOPT_EXPORTS", ".exports")
+    instance = local_instance(args.home or settings.dagster_home)
+    service = deployment_service(instance, args.dagster_url or settings.dagster_url, settings=settings)
+    exports = settings.exports
     try:
         limits = Limits(max_body_bytes=int(args.max_body_mb * 1024 * 1024), body_timeout_s=args.body_timeout_s, max_batch=args.max_batch)
     except ValueError as exc:
@@ -324,11 +325,11 @@ def _api(args: argparse.Namespace) -> int:
     return 0
 
 
-def _proposals(args: argparse.Namespace) -> int:
+def _proposals(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.workflows.definition import WorkflowError, WorkflowStore
     from flow_assets.workflows.review import ProposalBoard, ProposalNotFound, ReviewRefused
 
-    board = ProposalBoard(WorkflowStore(args.workflows))
+    board = ProposalBoard(WorkflowStore(args.workflows or settings.workflows))
     command = f"flowopt proposals {args.proposals_command}"
     try:
         if args.proposals_command == "list":
@@ -379,7 +380,7 @@ def _proposals(args: argparse.Namespace) -> int:
     return 0
 
 
-def _schema(args: argparse.Namespace) -> int:
+def _schema(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.logs.schema import json_schema
 
     print(json.dumps(json_schema(), indent=2, ensure_ascii=False))
@@ -399,14 +400,14 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="dagster")
 
 
-def _ui_tour(args: argparse.Namespace) -> int:
+def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.demo import DemoState
     from flow_assets.ui_tour import TourError, tour
 
-    state = DemoState.from_env(args.state)
+    state = DemoState.from_settings(settings, args.state)
     env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models)}
     try:
-        result = tour(env, Path(args.out))
+        result = tour(env, Path(args.out), settings=settings)
     except TourError as exc:
         print(f"flowopt ui-tour: {exc}", file=sys.stderr)
         return 2
@@ -470,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("--verbose", action="store_true", help="Dagster's log and full error tracebacks on stderr")
     ingest.set_defaults(fn=_ingest)
     serve = sub.add_parser("serve", help="the policy gateway: an OpenAI-compatible server that records rollouts")
-    serve.add_argument("--models", default=".models", help="the policy's models directory (default .models)")
-    serve.add_argument("--landing", default=".landing", help="landing directory rollouts land in (default .landing)")
+    serve.add_argument("--models", default=DEFAULT_MODELS, help=f"the policy's models directory (default {DEFAULT_MODELS})")
+    serve.add_argument("--landing", default=DEFAULT_LANDING, help=f"landing directory rollouts land in (default {DEFAULT_LANDING})")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base)")
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     listing = models_sub.add_parser("list", help="the presets, whether installed and prepared")
     listing.set_defaults(fn=_models_list)
     promote = sub.add_parser("promote", help="end a live A/B by hand: the challenger becomes the champion")
-    promote.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    promote.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
     promote.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records it (default $DAGSTER_HOME)")
     promote.add_argument("--reason", default="manual promotion", help="recorded in the registry history")
     promote.add_argument("--by", default=None, help="who promotes (default: the current user)")
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback = sub.add_parser(
         "rollback", help="restore the previous champion adapter in the registry (during a live A/B: withdraw the challenger)"
     )
-    rollback.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    rollback.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
     rollback.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records the rollback (default $DAGSTER_HOME)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
     rollback.add_argument("--by", default=None, help="who rolls back (default: the current user)")
@@ -511,10 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     registry = sub.add_parser("registry", help="the adapter registry (champion and history)")
     registry_sub = registry.add_subparsers(dest="registry_command", required=True)
     rebuild = registry_sub.add_parser("rebuild", help="rebuild a damaged registry.json from its history event files")
-    rebuild.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    rebuild.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
     rebuild.set_defaults(fn=_registry_rebuild)
     show_registry = registry_sub.add_parser("show", help="champion, challenger, candidate and the number of events (exit 1: registry.json damaged)")
-    show_registry.add_argument("--models", default=".models", help="models directory holding registry.json (default .models)")
+    show_registry.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
     show_registry.set_defaults(fn=_registry_show)
     bus = sub.add_parser("bus", help="the RabbitMQ message-bus source: tasks, responses and rewards landed as log batches")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)
@@ -557,8 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     api.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     api.add_argument("--port", type=int, default=8100, help="port (default 8100)")
-    api.add_argument("--dagster-url", default=os.environ.get("FLOWOPT_DAGSTER_URL", "http://127.0.0.1:3000"),
-                     help="the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else http://127.0.0.1:3000)")  # fmt: skip
+    api.add_argument("--dagster-url", default=None, help=f"the Dagster webserver (default $FLOWOPT_DAGSTER_URL, else {DEFAULT_DAGSTER_URL})")
     api.add_argument("--home", default=None, help="DAGSTER_HOME of the instance (default $DAGSTER_HOME)")
     api.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body, MiB (default 4; larger: 413), as flowopt serve's")
     api.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=30.0, help="seconds to receive a request body; slower is HTTP 408 (default 30)")
@@ -596,7 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:  # once, after the arguments (so --help works whatever the environment holds)
+        settings = Settings.from_environ()
+    except ValueError as exc:
+        print(f"flowopt {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return args.fn(args, settings)
 
 
 if __name__ == "__main__":

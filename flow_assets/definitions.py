@@ -1,19 +1,14 @@
 """The flowopt code location: every asset, check, job, sensor and resource in one Definitions.
 
-Paths come from the environment so the same code serves the demo, CI and a deployment:
-``FLOWOPT_LAKE`` (default ``.lake``), ``FLOWOPT_LANDING`` (default ``.landing``) and
-``FLOWOPT_MODELS`` (default ``.models``: base model, adapters, checkpoints, registry) and
-``FLOWOPT_WORKFLOWS`` (default ``.workflows``: workflow definitions, proposals, review audit log),
-relative to the working directory of the process that loads the code location; ``FLOWOPT_SETTLE_SECONDS``
-(default 10) how long a landed file must stay unmodified before the sensor reads it; ``FLOWOPT_BASE_MODEL`` points
-at a user's own model directory instead of the tiny demo model; ``FLOWOPT_SELF_PLAY_ROUNDS`` and
-``FLOWOPT_RUN_CONFIG`` drive the loop (:class:`resources.loop.TrainingLoop`);
-``FLOWOPT_SENSOR_INTERVAL_SECONDS`` (default 30) spaces every sensor's ticks. The trainable agent is the
-built-in agent of ``FLOWOPT_TASKS`` (a task source kind: ``calculator``, the default,
-``reasoning_gym`` for spell_backward, ``word_problems``) unless a ``tasks`` resource says otherwise.
+Its settings come from the environment, read once when the code location loads
+(:func:`flow_assets.settings.process_settings`), so the same code serves the demo, CI and a
+deployment: the lake, landing, models and workflow directories (``FLOWOPT_LAKE``,
+``FLOWOPT_LANDING``, ``FLOWOPT_MODELS``, ``FLOWOPT_WORKFLOWS``), how long a landed file settles
+(``FLOWOPT_SETTLE_SECONDS``), a user's own base model (``FLOWOPT_BASE_MODEL``), the loop
+(``FLOWOPT_SELF_PLAY_ROUNDS``, ``FLOWOPT_RUN_CONFIG``), the sensors' interval
+(``FLOWOPT_SENSOR_INTERVAL_SECONDS``), the trainable agent's task source (``FLOWOPT_TASKS``), the
+judge, tracking and live A/B. ``docs/settings.md`` lists each with its default.
 """
-
-import os
 
 from dagster import Definitions, EnvVar, in_process_executor
 
@@ -21,6 +16,7 @@ from flow_assets.adapter_evaluation import adapter_evaluation
 from flow_assets.data_plane import data_plane_assets, landed_logs
 from flow_assets.jobs import ab_test_job, adapter_evaluation_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job, workflow_proposals_job
 from flow_assets.live_traffic import live_assets
+from flow_assets.settings import JUDGE_API_KEY_VAR, Settings, process_settings
 from flow_assets.training import training_assets
 from flow_assets.workflow_assets import workflow_assets
 from resources.lake import TrajectoryLake
@@ -39,68 +35,45 @@ from sensors.self_play import self_play_sensor
 from sensors.training import training_history_sensor, training_round_sensor
 
 
-def judge_from_env() -> JudgeEndpoint:
-    """The scoring agent from ``FLOWOPT_JUDGE_URL`` (empty: no judge), ``FLOWOPT_JUDGE_MODEL``,
-    ``FLOWOPT_JUDGE_MODE`` (``relative`` or ``absolute``), ``FLOWOPT_JUDGE_CACHE`` and the key
-    ``FLOWOPT_JUDGE_API_KEY`` as an ``EnvVar`` (read when the resource is used, never stored in
-    config)."""
-    key = EnvVar("FLOWOPT_JUDGE_API_KEY") if os.environ.get("FLOWOPT_JUDGE_API_KEY") else "unused"
+def judge_from_settings(settings: Settings) -> JudgeEndpoint:
+    """The scoring agent of ``settings`` (URL empty: no judge). The key stays an ``EnvVar`` that
+    Dagster reads when the resource is used, so that it is never stored in config or shown in the
+    UI; ``settings`` only says whether one is set."""
+    key = EnvVar(JUDGE_API_KEY_VAR) if settings.judge_api_key else "unused"
     return JudgeEndpoint(
-        base_url=os.environ.get("FLOWOPT_JUDGE_URL", ""), model=os.environ.get("FLOWOPT_JUDGE_MODEL", ""), api_key=key,
-        mode=os.environ.get("FLOWOPT_JUDGE_MODE", "relative"), cache_dir=os.environ.get("FLOWOPT_JUDGE_CACHE", ".judge-cache"),
+        base_url=settings.judge_url, model=settings.judge_model, api_key=key, mode=settings.judge_mode, cache_dir=settings.judge_cache,
     )  # fmt: skip
 
 
 def build_resources(
-    lake_root: str | None = None,
-    landing_dir: str | None = None,
+    settings: Settings,
     formats: dict[str, str] | None = None,
-    models_root: str | None = None,
     tasks: TaskSourceResource | None = None,
-    base_model_path: str | None = None,
-    settle_seconds: float | None = None,
     loop: TrainingLoop | None = None,
     tracking: ExperimentTracking | None = None,
     live_ab: LiveAB | None = None,
     judge: JudgeEndpoint | None = None,
-    workflows_root: str | None = None,
 ) -> dict:
-    """The resources of the code location, with paths from arguments, else the environment.
+    """The resources of the code location for ``settings``; a resource passed explicitly replaces
+    the one ``settings`` describes.
 
     ``formats`` maps landing-relative globs to parser names (default: detect by content);
-    ``tasks`` is the trainable agent's task source (default: the built-in calculator agent);
-    ``base_model_path`` a local model to train instead of the tiny one; ``settle_seconds`` 0 for a
-    caller that lands files only by rename and ticks the sensor at once (the demos, tests);
-    ``loop`` the self-play and run-config settings (default: ``FLOWOPT_SELF_PLAY_ROUNDS``,
-    ``FLOWOPT_RUN_CONFIG``); ``tracking`` where training metrics are exported besides Dagster
-    (default: ``FLOWOPT_TRACKING``, empty = off); ``live_ab`` whether a gated candidate enters
-    live A/B as challenger (default: ``FLOWOPT_LIVE_AB`` off, ``FLOWOPT_LIVE_AB_SHARE`` 0.1);
-    ``workflows_root`` the workflow directory (default: ``FLOWOPT_WORKFLOWS``, else ``.workflows``).
+    ``tasks`` is the trainable agent's task source (default: the built-in agent of
+    ``settings.tasks``); ``loop`` the self-play and run-config settings; ``tracking`` where
+    training metrics are exported besides Dagster; ``live_ab`` whether a gated candidate enters
+    live A/B as challenger; ``judge`` the scoring agent (:func:`judge_from_settings`).
     """
-    models = models_root or os.environ.get("FLOWOPT_MODELS", ".models")
-    base = base_model_path or os.environ.get("FLOWOPT_BASE_MODEL") or None
     return {
-        "policy": PolicyModel(models_root=models, base_model_path=base),
-        "registry": AdapterRegistry(root=models),
-        "tasks": tasks or TaskSourceResource(kind=os.environ.get("FLOWOPT_TASKS", "calculator")),
-        "loop": loop
-        or TrainingLoop(
-            self_play_rounds=int(os.environ.get("FLOWOPT_SELF_PLAY_ROUNDS", "0")),
-            run_config_path=os.environ.get("FLOWOPT_RUN_CONFIG") or None,
-        ),
-        "tracking": tracking or ExperimentTracking(target=os.environ.get("FLOWOPT_TRACKING", "")),
-        "live_ab": live_ab or LiveAB(
-            enabled=os.environ.get("FLOWOPT_LIVE_AB", "0").lower() in ("1", "true", "on", "yes"),
-            share=float(os.environ.get("FLOWOPT_LIVE_AB_SHARE", "0.1")),
-        ),
-        "judge": judge or judge_from_env(),
-        "lake": TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake")),
-        "workflows": WorkflowDirectory(root=workflows_root or os.environ.get("FLOWOPT_WORKFLOWS", ".workflows")),
-        "landing": LogLanding(
-            directory=landing_dir or os.environ.get("FLOWOPT_LANDING", ".landing"),
-            formats=formats or {},
-            settle_seconds=float(os.environ.get("FLOWOPT_SETTLE_SECONDS", 10.0)) if settle_seconds is None else settle_seconds,
-        ),
+        "policy": PolicyModel(models_root=settings.models, base_model_path=settings.base_model),
+        "registry": AdapterRegistry(root=settings.models),
+        "tasks": tasks or TaskSourceResource(kind=settings.tasks),
+        "loop": loop or TrainingLoop(self_play_rounds=settings.self_play_rounds, run_config_path=settings.run_config),
+        "tracking": tracking or ExperimentTracking(target=settings.tracking),
+        "live_ab": live_ab or LiveAB(enabled=settings.live_ab, share=settings.live_ab_share),
+        "judge": judge or judge_from_settings(settings),
+        "lake": TrajectoryLake(root=settings.lake),
+        "workflows": WorkflowDirectory(root=settings.workflows),
+        "landing": LogLanding(directory=settings.landing, formats=formats or {}, settle_seconds=settings.settle_seconds),
     }
 
 
@@ -117,9 +90,20 @@ def build_definitions(
     live_ab: LiveAB | None = None,
     judge: JudgeEndpoint | None = None,
     workflows_root: str | None = None,
+    *,
+    settings: Settings | None = None,
 ) -> Definitions:
-    """The Definitions object; tests, the demos and the CLI pass explicit paths, task sources,
-    base models and settle times (:func:`build_resources`)."""
+    """The Definitions object for ``settings`` (default: the environment, read now).
+
+    Tests, the demos and the CLI override single settings with the keywords (``lake_root``,
+    ``landing_dir``, ``models_root``, ``base_model_path``, ``settle_seconds``, ``workflows_root``;
+    ``None``: as in ``settings``) and pass resources of their own (:func:`build_resources`).
+    The sensors' interval is not among them: their decorators fixed it when ``sensors`` was
+    imported, from :func:`flow_assets.settings.process_settings`.
+    """
+    settings = (settings or Settings.from_environ()).replace(
+        lake=lake_root, landing=landing_dir, models=models_root, base_model=base_model_path, settle_seconds=settle_seconds, workflows=workflows_root,
+    )  # fmt: skip
     return Definitions(
         # every job here is a chain of steps: one process per run (not one per step, which costs
         # a fresh import of torch and the code location for each step)
@@ -127,8 +111,8 @@ def build_definitions(
         assets=[landed_logs, *data_plane_assets, *training_assets, *live_assets, adapter_evaluation, *workflow_assets],
         jobs=[log_batch_job, base_policy_job, collect_rollouts_job, training_round_job, training_history_job, ab_test_job, adapter_evaluation_job, workflow_proposals_job],
         sensors=[new_logs_sensor, training_round_sensor, training_history_sensor, self_play_sensor, ab_monitor_sensor],
-        resources=build_resources(lake_root, landing_dir, formats, models_root, tasks, base_model_path, settle_seconds, loop, tracking, live_ab, judge, workflows_root),
+        resources=build_resources(settings, formats, tasks, loop, tracking, live_ab, judge),
     )
 
 
-defs = build_definitions()
+defs = build_definitions(settings=process_settings())

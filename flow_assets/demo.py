@@ -39,6 +39,7 @@ from flow_assets.gateway.engine import AdapterRef
 from flow_assets.local import REPO_ROOT, execute_requests, local_instance, run_job, tick_sensor
 from flow_assets.rl.evaluation import compare_policies
 from flow_assets.rounds import EvaluationConfig, evaluate_agents, read_evaluation, read_round_summary
+from flow_assets.settings import Settings
 from flow_assets.summary import batch_summary, source_summary
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
@@ -105,10 +106,12 @@ class DemoState:
     models: Path
 
     @classmethod
-    def from_env(cls, root: str | os.PathLike = ".demo") -> "DemoState":
-        env, base = os.environ, Path(root)
-        pick = lambda var, name: Path(env.get(var) or base / name).resolve()  # noqa: E731
-        return cls(pick("DAGSTER_HOME", "dagster_home"), pick("FLOWOPT_LAKE", "lake"), pick("FLOWOPT_LANDING", "landing"), pick("FLOWOPT_MODELS", "models"))
+    def from_settings(cls, settings: Settings, root: str | os.PathLike = ".demo") -> "DemoState":
+        """The state of ``settings``: each of ``dagster_home``, ``lake``, ``landing``, ``models``
+        where its variable is set, else its directory under ``root``."""
+        base = Path(root)
+        pick = lambda field, name: Path(getattr(settings, field) if settings.is_set(field) else base / name).resolve()  # noqa: E731
+        return cls(pick("dagster_home", "dagster_home"), pick("lake", "lake"), pick("landing", "landing"), pick("models", "models"))
 
     def directories(self) -> tuple[Path, ...]:
         return (self.home, self.lake, self.landing, self.models)
@@ -562,9 +565,12 @@ def run_demo(
     rounds: int = 3,
     agent_rounds: int = 8,
     reset: bool = False,
+    settings: Settings | None = None,
 ) -> dict:
-    """Run the demo in ``state`` (default :meth:`DemoState.from_env`) and write ``report``;
-    returns the report's content. ``reset`` allows deleting state the demo did not create.
+    """Run the demo in ``state`` (default :meth:`DemoState.from_settings`) and write ``report``;
+    returns the report's content. ``reset`` allows deleting state the demo did not create;
+    ``settings`` are the environment's (default: read now) for what ``state`` and the demo's own
+    choices leave open.
 
     Raises:
         FileNotFoundError: ``data_dir`` is missing (checked before anything is touched).
@@ -572,7 +578,8 @@ def run_demo(
         RuntimeError: a batch of the real logs or a round failed (the message names it).
     """
     started = time.perf_counter()
-    state = state or DemoState.from_env()
+    settings = settings or Settings.from_environ()
+    state = state or DemoState.from_settings(settings)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"real agent logs not found at {data_dir} (nothing was changed)")
     state.prepare(reset)
@@ -591,7 +598,7 @@ def run_demo(
     per_batch, per_source, data_plane_seconds = spell_out["data_plane"]
     lines, base_seconds = spell_out["lines"], spell_out["base_seconds"]
     spell_seconds = time.perf_counter() - t0
-    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource(), settle_seconds=0)
+    spell = build_definitions(str(lake_root), str(landing_dir), models_root=str(spell_models), tasks=TaskSourceResource(), settle_seconds=0, settings=settings)
     base_sampled, base_greedy = lines[0]["base_sampled_success"], lines[0]["base_greedy_success"]
     final = lines[-1]
     source = spell.resources["tasks"].source()
@@ -609,7 +616,7 @@ def run_demo(
     agent_phase = Phase("calculator", "calculator", models_root, agent_rounds, AGENT_BASE, AGENT_COLLECT, AGENT_TRAIN, AGENT_EVAL)
     agent_out = run_phase(state, instance, lake, agent_phase)
     agent_lines, agent_base_seconds = agent_out["lines"], agent_out["base_seconds"]
-    agent_defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=TaskSourceResource(kind="calculator"), settle_seconds=0)
+    agent_defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=TaskSourceResource(kind="calculator"), settle_seconds=0, settings=settings)
     agent_source = agent_defs.resources["tasks"].source()
     check = held_out_summary(base_vs_final(agent_defs, models_root, agent_source.tasks("held_out"), models_root))
     stats = _agent_batch_stats(lake, [line["batch"] for line in agent_lines])

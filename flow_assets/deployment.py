@@ -9,7 +9,6 @@ and prints what the runs did.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import TypeVar
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
 from flow_assets.local import REPO_ROOT, stop_process_group
+from flow_assets.settings import child_environ
 
 T = TypeVar("T")
 FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
@@ -44,7 +44,7 @@ class Daemon:
         exe = Path(sys.executable).with_name("dagster-daemon")
         self.process = subprocess.Popen(
             [str(exe), "run", "-w", str(REPO_ROOT / "workspace.yaml")],
-            cwd=REPO_ROOT, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_ROOT, env=child_environ(self.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()
         return self

@@ -25,19 +25,21 @@ from dagster import (
 from filelock import FileLock
 
 from flow_assets.recovery import process_tags
+from flow_assets.settings import DEFAULT_DAGSTER_HOME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
-    """The persistent instance in ``home`` (default: ``$DAGSTER_HOME``, else ``./.dagster_home``).
+    """The persistent instance in ``home`` (default: ``./.dagster_home``; callers pass their
+    settings' ``dagster_home``, i.e. ``$DAGSTER_HOME`` where set).
 
     The directory is created, and the repository's ``dagster.yaml`` copied into it when it has
     none, so a fresh clone works without setup; the storage is created under an inter-process
     lock, so concurrent first calls do not race. The process environment is left as it is (other
     threads may read it at any moment): subprocesses get ``DAGSTER_HOME`` passed explicitly.
     """
-    path = Path(home or os.environ.get("DAGSTER_HOME") or ".dagster_home").resolve()
+    path = Path(home or DEFAULT_DAGSTER_HOME).resolve()
     path.mkdir(parents=True, exist_ok=True)
     # Creating a new instance's storage (tables, alembic stamps) is not safe to race: two first
     # ingests at once left "alembic_version has more than one head". One process creates it, under

@@ -17,7 +17,6 @@ Each page is saved as ``<out>/ui-<name>.png``. Needs the ``ui`` extra (``pip ins
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import socket
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from flow_assets.local import REPO_ROOT, stop_process_group
+from flow_assets.settings import Settings, child_environ
 
 SENSORS = ("new_logs_sensor", "training_round_sensor", "training_history_sensor", "self_play_sensor")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
@@ -52,9 +52,11 @@ class TourResult:
         return [name for name, proof in self.found.items() if proof is None]
 
 
-def find_chromium() -> str | None:
-    """Path of a Chromium-family browser on ``PATH`` or in ``FLOWOPT_CHROMIUM``, else ``None``."""
-    explicit = os.environ.get("FLOWOPT_CHROMIUM")
+def find_chromium(settings: Settings | None = None) -> str | None:
+    """Path of a Chromium-family browser: ``settings.chromium`` (``FLOWOPT_CHROMIUM``; default
+    settings: the environment, read now) when set and it exists, else the first on ``PATH``,
+    else ``None``."""
+    explicit = (settings or Settings.from_environ()).chromium
     if explicit:
         return explicit if Path(explicit).exists() else None
     return next((p for p in map(shutil.which, CHROMIUM_NAMES) if p), None)
@@ -70,7 +72,7 @@ def _start_webserver(env: dict[str, str], port: int, timeout: float = 120.0) -> 
     exe = Path(sys.executable).with_name("dagster-webserver")
     proc = subprocess.Popen(
         [str(exe), "-w", str(REPO_ROOT / "workspace.yaml"), "-h", "127.0.0.1", "-p", str(port)],
-        cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=REPO_ROOT, env=child_environ(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -86,9 +88,10 @@ def _start_webserver(env: dict[str, str], port: int, timeout: float = 120.0) -> 
     raise TourError(f"dagster-webserver did not start on port {port} within {timeout:.0f} s")
 
 
-def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000) -> TourResult:
-    """Tour the UI of the deployment that ``env`` (``DAGSTER_HOME``, ``FLOWOPT_*``) describes and
-    save screenshots in ``out_dir``.
+def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000, settings: Settings | None = None) -> TourResult:
+    """Tour the UI of the deployment that ``env`` (``DAGSTER_HOME``, ``FLOWOPT_*``, laid over this
+    process's environment) describes and save screenshots in ``out_dir``; the browser is
+    :func:`find_chromium` of ``settings``.
 
     Raises:
         TourError: Playwright or Chromium is missing, or the webserver did not start.
@@ -97,7 +100,7 @@ def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000) -> TourResul
         from playwright.sync_api import sync_playwright
     except ImportError as exc:
         raise TourError("Playwright is not installed: pip install -e '.[ui]'") from exc
-    chromium = find_chromium()
+    chromium = find_chromium(settings)
     if chromium is None:
         raise TourError("no Chromium found (apt-get install chromium, or set FLOWOPT_CHROMIUM)")
     out_dir.mkdir(parents=True, exist_ok=True)

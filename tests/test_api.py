@@ -156,9 +156,9 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     lake = TrajectoryLake(root=os.environ["FLOWOPT_TEST_API_LAKE"])
     spent = lake_spend(lake, "adder")
     assert spent.prompt_tokens == 600 and spent.completion_tokens == 60 and spent.total_usd == pytest.approx((600 * 500 + 60 * 2000) / 1e6)
-    from flow_assets.api.budget import CachedSpend, prices_from_env
+    from flow_assets.api.budget import CachedSpend, prices_of
 
-    cached = CachedSpend(lake, prices_from_env())
+    cached = CachedSpend(lake, prices_of())
     first = cached("adder")
     assert first == spent and cached("adder") is first  # the lake did not change: no new scan
     trajectories = lake.read_partition("trajectories", key)

@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 
 from flow_assets.demo import MARKER, DemoState, DemoStateError, run_demo
+from flow_assets.settings import Settings
 
 
 def _state(root: Path) -> DemoState:
     return DemoState(root / "home", root / "lake", root / "landing", root / "models")
 
 
-def test_state_comes_from_the_environment_else_the_demo_directory(tmp_path, monkeypatch):
-    for var in ("DAGSTER_HOME", "FLOWOPT_LAKE", "FLOWOPT_LANDING", "FLOWOPT_MODELS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("FLOWOPT_LAKE", str(tmp_path / "my-lake"))
-    state = DemoState.from_env(tmp_path / ".demo")
+def test_state_comes_from_the_environment_else_the_demo_directory(tmp_path):
+    settings = Settings.from_environ({"FLOWOPT_LAKE": str(tmp_path / "my-lake"), "FLOWOPT_LANDING": ""})  # empty: unset
+    state = DemoState.from_settings(settings, tmp_path / ".demo")
     assert state.lake == tmp_path / "my-lake"
     assert (state.home, state.landing, state.models) == tuple(tmp_path / ".demo" / n for n in ("dagster_home", "landing", "models"))
 

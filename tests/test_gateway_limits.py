@@ -15,6 +15,7 @@ from flow_assets.gateway.app import GatewayConfig, scrub_paths
 from flow_assets.gateway.guard import RequestLimits, json_depth
 from flow_assets.gateway.server import GatewayServer, check_bind, gateway_tokens, is_loopback
 from flow_assets.policy.store import PolicyStore
+from flow_assets.settings import Settings
 from tests.conftest import run_cli
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
@@ -108,7 +109,7 @@ def test_no_listening_beyond_loopback_without_tokens_and_no_paths_in_errors(fres
     assert rc == 2 and "refusing to listen on '0.0.0.0' without bearer tokens" in err
     tokens = tmp_path / "tokens"
     tokens.write_text("# ops\nalpha\n\n  beta  \n")
-    assert gateway_tokens(tokens, environ={"FLOWOPT_GATEWAY_TOKENS": "x, y,"}) == ["x", "y", "alpha", "beta"]
+    assert gateway_tokens(tokens, Settings.from_environ({"FLOWOPT_GATEWAY_TOKENS": "x, y,"})) == ["x", "y", "alpha", "beta"]
     rc, _, err = run_cli(["serve", "--models", fresh_policy_dir, "--host", "0.0.0.0", "--tokens-file", tmp_path / "missing"])
     assert rc == 2 and "--tokens-file" in err
     # an error text that would name a file of the server's names none

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
-DEFAULT_MONTHLY_BUDGET_USD = 100.0
+from flow_assets.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -86,38 +86,20 @@ def agent_spend(trajectories: pl.LazyFrame, steps: pl.LazyFrame, rewards: pl.Laz
     return Spend(agent_id, month, prompt, completion, judge, policy + judge)
 
 
-def prices_from_env() -> Prices:
-    """The policy's prices from ``FLOWOPT_POLICY_INPUT_USD_PER_MTOK`` and
-    ``FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK`` (default 0).
+def prices_of(settings: Settings | None = None) -> Prices:
+    """The policy's prices in ``settings`` (``FLOWOPT_POLICY_INPUT_USD_PER_MTOK`` and
+    ``FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK``, default 0; default settings: the environment, read now).
 
     Raises:
         ValueError: a value that is not a non-negative number (the message names the variable).
     """
-    import os
-
-    values = []
-    for name in ("FLOWOPT_POLICY_INPUT_USD_PER_MTOK", "FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK"):
-        raw = os.environ.get(name, "0")
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number (USD per million tokens)") from None
-        if not value >= 0:
-            raise ValueError(f"{name}={raw!r} must be >= 0")
-        values.append(value)
-    return Prices(*values)
-
-
-def monthly_budget_from_env() -> float:
-    """``FLOWOPT_MONTHLY_BUDGET_USD`` (default 100), USD per agent per calendar month."""
-    import os
-
-    return float(os.environ.get("FLOWOPT_MONTHLY_BUDGET_USD", DEFAULT_MONTHLY_BUDGET_USD))
+    settings = settings or Settings.from_environ()
+    return Prices(settings.policy_input_usd_per_mtok, settings.policy_output_usd_per_mtok)
 
 
 def lake_spend(lake, agent_id: str, month: str | None = None, prices: Prices | None = None) -> Spend:
-    """:func:`agent_spend` over every batch of ``lake`` (a ``TrajectoryLake``); an empty lake
-    spent nothing."""
+    """:func:`agent_spend` over every batch of ``lake`` (a ``TrajectoryLake``) at ``prices``
+    (default: :func:`prices_of` the environment, read now); an empty lake spent nothing."""
     month = month or month_of()
     try:
         trajectories, steps = lake.scan("trajectories"), lake.scan("steps")
@@ -127,7 +109,7 @@ def lake_spend(lake, agent_id: str, month: str | None = None, prices: Prices | N
         rewards = lake.scan("rewards")
     except FileNotFoundError:
         rewards = None
-    return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_from_env())
+    return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_of())
 
 
 class CachedSpend:
@@ -139,13 +121,13 @@ class CachedSpend:
 
     Args:
         lake: the ``TrajectoryLake``.
-        prices: the prices to charge (default: from the environment, once).
+        prices: the prices to charge (default: :func:`prices_of` the environment, read once, here).
     """
 
     TABLES = ("trajectories", "steps", "rewards")
 
     def __init__(self, lake, prices: Prices | None = None):
-        self.lake, self.prices = lake, prices or prices_from_env()
+        self.lake, self.prices = lake, prices or prices_of()
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], tuple[tuple, Spend]] = {}
 

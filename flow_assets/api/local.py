@@ -5,7 +5,6 @@ uvicorn from a background thread, both on free ports of 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from flow_assets.local import REPO_ROOT, stop_process_group
+from flow_assets.settings import Settings, child_environ
 
 _JOBS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { locationOrLoadError { ... on RepositoryLocation { repositories { jobs { name } } } } } } } }"
 
@@ -41,8 +41,9 @@ class LocalAPI:
 
 @contextlib.contextmanager
 def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Path, startup_timeout_s: float = 180.0) -> Iterator[LocalAPI]:
-    """Start the webserver (environment ``env`` + ``DAGSTER_HOME=home``) and the API; stop both on
-    exit.
+    """Start the webserver (this process's environment + ``env`` + ``DAGSTER_HOME=home``) and the
+    API, whose settings (lake, models, prices, budget) are read from that same environment; stop
+    both on exit.
 
     Raises:
         RuntimeError: the webserver exited or did not load the code location within
@@ -54,9 +55,10 @@ def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Pa
     from flow_assets.local import local_instance
 
     web_port = free_port()
+    web_env = child_environ(env, DAGSTER_HOME=str(home))
     web = subprocess.Popen(
         [str(Path(sys.executable).with_name("dagster-webserver")), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(web_port)],
-        cwd=REPO_ROOT, env={**os.environ, **env, "DAGSTER_HOME": str(home)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT, env=web_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     server = None
@@ -75,7 +77,8 @@ def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Pa
                 pass
             time.sleep(0.5)
         instance = local_instance(str(home))
-        service = deployment_service(instance, f"http://127.0.0.1:{web_port}", lake_root=env.get("FLOWOPT_LAKE"), models_root=env.get("FLOWOPT_MODELS"))
+        # the API in this process reads the settings the webserver's code location reads
+        service = deployment_service(instance, f"http://127.0.0.1:{web_port}", settings=Settings.from_environ(web_env))
         app = create_app(training_dispatcher(service, export_dir), tokens, service, export_dir)
         config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
         server = uvicorn.Server(config)

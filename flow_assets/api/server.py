@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from flow_assets.api.export import ExportParams, export_trajectories
 from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams, log_event
 from flow_assets.api.jsonrpc import DEFAULT_MAX_BATCH, INVALID_REQUEST, UNAUTHORISED, Dispatcher
+from flow_assets.settings import DEFAULT_EXPORTS, Settings
 from flow_assets.untrusted import authorised
 
 
@@ -62,7 +62,7 @@ class Limits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
-def training_dispatcher(service: JobService, export_dir: str | Path = ".exports", max_batch: int = DEFAULT_MAX_BATCH) -> Dispatcher:
+def training_dispatcher(service: JobService, export_dir: str | Path = DEFAULT_EXPORTS, max_batch: int = DEFAULT_MAX_BATCH) -> Dispatcher:
     """The ``training.*`` methods on ``service``; exports are written to ``export_dir`` under a
     name the API chooses and fetched with ``GET /exports/<name>`` (a client-given ``path`` is
     refused, -32602); a batch holds at most ``max_batch`` calls."""
@@ -137,7 +137,7 @@ def _unauthorised() -> Response:
 
 
 def create_app(
-    rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None, export_dir: str | Path = ".exports", limits: Limits | None = None
+    rpc: Dispatcher, tokens: Sequence[str], service: JobService | None = None, export_dir: str | Path = DEFAULT_EXPORTS, limits: Limits | None = None
 ) -> FastAPI:
     """The ASGI app of the API (module docstring); ``limits`` default to :class:`Limits`'s
     defaults."""
@@ -242,17 +242,15 @@ def _summaries(body: bytes, answer: bytes | None, known: set[str], max_batch: in
     return out
 
 
-def deployment_service(
-    instance, dagster_url: str, location: str = "flowopt", lake_root: str | None = None, models_root: str | None = None
-) -> JobService:
+def deployment_service(instance, dagster_url: str, location: str = "flowopt", settings: Settings | None = None) -> JobService:
     """The job service of a deployment: runs read from ``instance``, submitted and terminated
     through the webserver's GraphQL API at ``dagster_url`` (``http://host:port``), with the
-    ``dagster-graphql`` client; the lake and the adapter registry (``training.evaluate``) at
-    ``lake_root`` / ``models_root``, else ``FLOWOPT_LAKE`` / ``FLOWOPT_MODELS`` (as the code
-    location reads them).
+    ``dagster-graphql`` client; the lake, the adapter registry (``training.evaluate``), the
+    policy's prices and the default monthly budget from ``settings`` (default: the environment,
+    read now), which should be those the code location reads.
 
     Raises:
-        ValueError: ``dagster_url`` is not ``http(s)://host:port``.
+        ValueError: ``dagster_url`` is not ``http(s)://host:port``, or a bad setting.
     """
     from urllib.parse import urlparse
 
@@ -269,16 +267,17 @@ def deployment_service(
     def submit(job_name, run_config, tags):
         return client.submit_job_execution(job_name, repository_location_name=location, run_config=run_config, tags=tags)
 
-    from flow_assets.api.budget import CachedSpend, monthly_budget_from_env, prices_from_env
+    from flow_assets.api.budget import CachedSpend, prices_of
     from resources.lake import TrajectoryLake
 
-    lake = TrajectoryLake(root=lake_root or os.environ.get("FLOWOPT_LAKE", ".lake"))
-    prices = prices_from_env()
-    registry = AdapterRegistry(root=models_root or os.environ.get("FLOWOPT_MODELS", ".models"))
+    settings = settings or Settings.from_environ()
+    lake = TrajectoryLake(root=settings.lake)
+    prices = prices_of(settings)
+    registry = AdapterRegistry(root=settings.models)
     return JobService(
         instance=instance, submit=submit, terminate=lambda run_ids: client.terminate_runs(run_ids),
         partitions=lambda: set(instance.get_dynamic_partitions(log_batches.name)),
-        spend=CachedSpend(lake, prices), default_budget_usd=monthly_budget_from_env(), lake=lake,
+        spend=CachedSpend(lake, prices), default_budget_usd=settings.monthly_budget_usd, lake=lake,
         versions=lambda version: registry.version(version) is not None,
         add_version=lambda version: instance.add_dynamic_partitions(adapter_versions.name, [version]),
     )  # fmt: skip

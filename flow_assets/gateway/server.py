@@ -7,7 +7,6 @@ and those scores become training data."""
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import threading
 import time
@@ -17,21 +16,19 @@ from pathlib import Path
 import uvicorn
 
 from flow_assets.gateway.app import Gateway, create_app
+from flow_assets.settings import Settings
 
 
-#: environment variable holding the gateway's bearer tokens, comma-separated (as ``FLOWOPT_API_TOKENS``)
-TOKENS_ENV = "FLOWOPT_GATEWAY_TOKENS"
-
-
-def gateway_tokens(tokens_file: str | Path | None = None, environ: dict[str, str] | None = None) -> list[str]:
-    """The gateway's bearer tokens: ``$FLOWOPT_GATEWAY_TOKENS`` (comma-separated) and the lines
-    of ``tokens_file`` (one token a line; blank lines and ``#`` comments skipped).
+def gateway_tokens(tokens_file: str | Path | None = None, settings: Settings | None = None) -> list[str]:
+    """The gateway's bearer tokens: ``settings.gateway_tokens`` (``$FLOWOPT_GATEWAY_TOKENS``,
+    comma-separated; default settings: the environment, read now) and the lines of
+    ``tokens_file`` (one token a line; blank lines and ``#`` comments skipped).
 
     Raises:
         OSError: ``tokens_file`` cannot be read.
+        ValueError: the environment holds a bad flowopt setting (:meth:`Settings.from_environ`).
     """
-    environ = os.environ if environ is None else environ
-    tokens = [t.strip() for t in environ.get(TOKENS_ENV, "").split(",") if t.strip()]
+    tokens = list((settings or Settings.from_environ()).gateway_tokens)
     if tokens_file is not None:
         lines = Path(tokens_file).read_text(encoding="utf-8").splitlines()
         tokens += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
@@ -64,7 +61,7 @@ def check_bind(host: str, tokens: Sequence[str]) -> None:
     if not is_loopback(host) and not any(tokens):
         raise ValueError(
             f"refusing to listen on {host!r} without bearer tokens: anyone reaching it could finish rollouts "
-            f"with any score; set {TOKENS_ENV} (comma-separated) or --tokens-file, or bind 127.0.0.1"
+            "with any score; set FLOWOPT_GATEWAY_TOKENS (comma-separated) or --tokens-file, or bind 127.0.0.1"
         )
 
 

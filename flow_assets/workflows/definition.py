@@ -29,10 +29,11 @@ from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flow_assets.atomic import write_json_atomic
+from flow_assets.settings import DEFAULT_WORKFLOWS
 
 WORKFLOW_FORMAT = "flowopt.workflow/v1"
-#: where the workflow directory is when neither an argument nor ``FLOWOPT_WORKFLOWS`` names one
-DEFAULT_ROOT = ".workflows"
+#: where the workflow directory is when no argument names one (``FLOWOPT_WORKFLOWS``, :mod:`flow_assets.settings`)
+DEFAULT_ROOT = DEFAULT_WORKFLOWS
 
 
 class WorkflowError(RuntimeError):
@@ -138,9 +139,10 @@ def agent_file_stem(agent_id: str) -> str:
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> Path:
-    """The workflow directory: ``root`` when given, else ``FLOWOPT_WORKFLOWS``, else
-    :data:`DEFAULT_ROOT`, relative to the working directory (as ``FLOWOPT_MODELS`` is)."""
-    return Path(root or os.environ.get("FLOWOPT_WORKFLOWS") or DEFAULT_ROOT)
+    """The workflow directory: ``root`` when given, else :data:`DEFAULT_ROOT`, relative to the
+    working directory (as the models directory is). ``FLOWOPT_WORKFLOWS`` reaches it through the
+    caller's settings (``Settings.workflows``)."""
+    return Path(root or DEFAULT_ROOT)
 
 
 class WorkflowStore:
