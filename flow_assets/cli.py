@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.demo import DemoState, DemoStateError, run_demo
 
     try:
-        run_demo(DemoState.from_settings(settings, args.state), reset=args.reset)
+        run_demo(DemoState.from_settings(settings, args.state), reset=args.reset, settings=settings)
     except (DemoStateError, FileNotFoundError) as exc:
         print(f"flowopt demo: {exc}", file=sys.stderr)
         return 2
