@@ -45,7 +45,7 @@ from flow_assets.logs.tables import (
 from flow_assets.metadata import histogram_markdown, preview_table
 from flow_assets.partitions import log_batches
 from flow_assets.versions import DATA_OWNERS, code_version
-from flow_assets.rl.advantages import AdvantageConfig, group_advantages
+from flow_assets.rl.advantages import AdvantageConfig, pooled_advantages
 from flow_assets.rl.credit import CreditConfig, step_advantages
 from flow_assets.rl.judge import judge_groups_sync, judge_totals, judgement_table
 from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table
@@ -320,32 +320,12 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     key = context.partition_key
     adv_cfg = config.to_pure()
     credit_cfg = config.credit.to_pure()
-    own = lake.read_partition("rewards", key)
-    if adv_cfg.group_scope == "batch":
-        pool = own.with_columns(batch=pl.lit(key))
-    else:
-        # the source's other batches as materialised now; re-materialise to take in later ones
-        source = own["source"][0] if own.height else None
-        others = (
-            lake.scan("rewards").filter((pl.col("source") == source) & (pl.col("batch") != key)).collect()
-            if source is not None
-            else own.clear().with_columns(batch=pl.lit(key))
-        )
-        pool = pl.concat([own.with_columns(batch=pl.lit(key)), others.select(own.columns + ["batch"])])
-    if adv_cfg.normalise_over == "turn":
-        steps_scan = (
-            lake.scan_partition("steps", key).with_columns(batch=pl.lit(key))
-            if adv_cfg.group_scope == "batch"
-            else lake.scan("steps").filter(pl.col("batch").is_in(pool["batch"].unique().to_list()))
-        )
-        pool = pool.join(_turn_counts(steps_scan), on=["batch", "trajectory_id"], how="left").with_columns(
-            pl.col("n_turns").fill_null(0)
-        )
-    pool = pool.with_columns(group_key=pl.col("task_id"))
-    labelled = pool.filter(pl.col("reward").is_not_null())
-    # unlabelled trajectories are kept with null advantages: no group statistics, no gradient
-    scored = pl.concat([group_advantages(labelled, adv_cfg), pool.filter(pl.col("reward").is_null())], how="diagonal_relaxed")
-    table = scored.filter(pl.col("batch") == key).drop("batch")
+    # lazy scans: pooled_advantages reads the peers only for group_scope="source" and the steps
+    # only for normalise_over="turn"
+    across_source = adv_cfg.group_scope == "source"
+    peers = lake.scan("rewards") if across_source else None
+    pool_steps = lake.scan("steps") if across_source else lake.scan_partition("steps", key).with_columns(batch=pl.lit(key))
+    table = pooled_advantages(lake.read_partition("rewards", key), key, adv_cfg, peers, pool_steps)
     # a null reward is either unlabelled or a group the judge could not score: both carry no gradient
     judge_dropped = int(table["judge_error"].is_not_null().sum()) if "judge_error" in table.columns else 0
     n_unlabelled = int(table["reward"].is_null().sum()) - judge_dropped
@@ -377,15 +357,6 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
             "preview": preview_table(table),
         },
         check_results=[AssetCheckResult(check_name="advantages_finite", passed=finite, severity=AssetCheckSeverity.ERROR)],
-    )
-
-
-def _turn_counts(steps: pl.LazyFrame) -> pl.DataFrame:
-    """``batch, trajectory_id, n_turns``: each trajectory's decisions (steps that are not observations)."""
-    return (
-        steps.group_by("batch", "trajectory_id")
-        .agg(n_turns=(pl.col("kind") != "observation").sum().cast(pl.Int64))
-        .collect(engine="streaming")
     )
 
 
