@@ -6,11 +6,14 @@ a person wants in the UI.
 
 Memory is bounded whatever the size of a batch: records and steps stream through in chunks
 (:data:`~flow_assets.logs.tables.CHUNK_RECORDS` records / ~64 MiB), and the per-step tables are
-read and written by polars' streaming engine. What grows with a batch is one small row per
-trajectory (ids seen, rewards, advantages), not its steps or their text.
+read and written by polars' streaming engine. Custom reward functions see the batch one chunk of
+records at a time, and the judge one chunk of whole groups at a time (a chunk is larger only when
+one group alone is). What grows with a batch is one small row per trajectory (ids seen, rewards,
+judge scores, advantages), not its steps or their text.
 """
 
 
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import polars as pl
@@ -47,8 +50,8 @@ from flow_assets.partitions import log_batches
 from flow_assets.versions import DATA_OWNERS, code_version
 from flow_assets.rl.advantages import AdvantageConfig, pooled_advantages
 from flow_assets.rl.credit import CreditConfig, step_advantages
-from flow_assets.rl.judge import judge_groups_sync, judge_totals, judgement_table
-from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table
+from flow_assets.rl.judge import JUDGEMENT_SCHEMA, GroupJudgement, judge_groups_sync, judge_totals, judgement_table
+from flow_assets.rl.rewards import RewardConfig, chunked_custom_rewards, group_chunks, reward_table, trajectory_groups
 from resources.judge import JudgeEndpoint
 from resources.lake import TrajectoryLake
 
@@ -233,12 +236,13 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     cfg = config.to_pure()
     custom = verdicts = None
     judge_meta: dict = {}
-    if cfg.custom or judge.enabled:
+    if cfg.custom:
+        custom = {}
         chunks = lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"])
-        parsed = [Trajectory.model_validate_json(r) for c in chunks for r in c["record_json"].to_list()]
-        custom = custom_rewards(parsed, cfg) if cfg.custom else None
-        if judge.enabled:
-            verdicts, judge_meta = _judge(context, judge, parsed)
+        for part in chunked_custom_rewards((c["record_json"].to_list() for c in chunks), cfg):
+            custom.update(part)
+    if judge.enabled:
+        verdicts, judge_meta = _judge(context, judge, _group_chunks(lake, key))
     steps = lake.scan_partition("steps", key)
     table = reward_table(lake.scan_partition("trajectories", key), steps, cfg, custom, verdicts).with_columns(
         source=pl.lit(lake.batch_manifest(key).source)
@@ -261,25 +265,50 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     )
 
 
-def _judge(context: AssetExecutionContext, judge: JudgeEndpoint, trajectories: list[Trajectory]) -> tuple[pl.DataFrame, dict]:
-    """The scoring agent's verdicts on a batch's groups (one group per task id) and their metadata:
-    groups scored and dropped (with the reasons), requests, cache hits, tokens, USD."""
+def _group_chunks(lake: TrajectoryLake, key: str) -> Iterator[dict[str, list[Trajectory]]]:
+    """A batch's trajectories as ``task_id -> trajectories``, whole groups at a time, about
+    :data:`~flow_assets.logs.tables.CHUNK_RECORDS` trajectories per chunk (more only for one
+    larger group): memory is bounded by a chunk whatever the batch, even when a group's trials lie
+    far apart in the log (tau-bench's lie a whole trial round apart)."""
+    logs = lake.scan_partition("interaction_logs", key)
+    for chunk in group_chunks(logs.select("record", "task_id"), tables.CHUNK_RECORDS):
+        # the record range lets the reader skip the row groups that hold none of these groups
+        records = (
+            logs.filter(pl.col("record").is_between(chunk.first_record, chunk.last_record) & pl.col("task_id").is_in(list(chunk.task_ids)))
+            .select("record", "record_json")
+            .collect(engine="streaming")
+            .sort("record")
+        )
+        yield trajectory_groups(records["record_json"].to_list())
+
+
+def _judge(
+    context: AssetExecutionContext, judge: JudgeEndpoint, chunks: Iterable[dict[str, list[Trajectory]]]
+) -> tuple[pl.DataFrame, dict]:
+    """The scoring agent's verdicts on a batch's groups (one group per task id), asked chunk by
+    chunk of whole groups (:func:`_group_chunks`), and their metadata: groups scored and dropped
+    (with the reasons), requests, cache hits, tokens, USD."""
     settings = judge.settings()
-    groups: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:
-        groups.setdefault(trajectory.task_id, []).append(trajectory)
-    verdicts = judge_groups_sync(groups, settings, judge.base_url, judge.api_key, judge.cache())
+    cache = judge.cache()
+    verdicts: list[GroupJudgement] = []
+    sizes: dict[str, int] = {}
+    parts: list[pl.DataFrame] = [pl.DataFrame(schema=JUDGEMENT_SCHEMA)]
+    for groups in chunks:
+        chunk_verdicts = judge_groups_sync(groups, settings, judge.base_url, judge.api_key, cache)
+        parts.append(judgement_table(chunk_verdicts, groups))
+        verdicts.extend(chunk_verdicts)
+        sizes.update((task_id, len(group)) for task_id, group in groups.items())
     totals = judge_totals(verdicts)
     dropped = [v for v in verdicts if v.error is not None]
     for v in dropped[:20]:
-        context.log.warning(f"judge dropped group {v.task_id!r} ({len(groups[v.task_id])} trajectories): {v.error}")
+        context.log.warning(f"judge dropped group {v.task_id!r} ({sizes[v.task_id]} trajectories): {v.error}")
     context.log.info(
         f"judge {settings.model} ({settings.mode}): {totals['groups_scored']} groups scored, {totals['groups_dropped']} dropped; "
         f"{totals['calls']} requests, {totals['cached']} from the cache, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
         f"${totals['cost_usd']:.4f}"
     )
     reasons = "\n".join(["| task | trajectories | reason |", "|---|---|---|"] + [
-        f"| {v.task_id} | {len(groups[v.task_id])} | {v.error.replace('|', '/')} |" for v in dropped[:50]
+        f"| {v.task_id} | {sizes[v.task_id]} | {v.error.replace('|', '/')} |" for v in dropped[:50]
     ])  # fmt: skip
     meta = {
         "judge_model": settings.model,
@@ -294,7 +323,7 @@ def _judge(context: AssetExecutionContext, judge: JudgeEndpoint, trajectories: l
     }
     if dropped:
         meta["judge_dropped"] = MetadataValue.md(reasons)
-    return judgement_table(verdicts, groups), meta
+    return pl.concat(parts), meta
 
 
 @asset(
