@@ -6,11 +6,14 @@ a person wants in the UI.
 
 Memory is bounded whatever the size of a batch: records and steps stream through in chunks
 (:data:`~flow_assets.logs.tables.CHUNK_RECORDS` records / ~64 MiB), and the per-step tables are
-read and written by polars' streaming engine. What grows with a batch is one small row per
-trajectory (ids seen, rewards, advantages), not its steps or their text.
+read and written by polars' streaming engine. Custom reward functions see the batch one chunk of
+records at a time, and the judge one chunk of whole groups at a time (a chunk is larger only when
+one group alone is). What grows with a batch is one small row per trajectory (ids seen, rewards,
+judge scores, advantages), not its steps or their text.
 """
 
 
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import polars as pl
@@ -45,10 +48,10 @@ from flow_assets.logs.tables import (
 from flow_assets.metadata import histogram_markdown, preview_table
 from flow_assets.partitions import log_batches
 from flow_assets.versions import DATA_OWNERS, code_version
-from flow_assets.rl.advantages import AdvantageConfig, group_advantages
+from flow_assets.rl.advantages import AdvantageConfig, pooled_advantages
 from flow_assets.rl.credit import CreditConfig, step_advantages
-from flow_assets.rl.judge import judge_groups_sync, judge_totals, judgement_table
-from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table
+from flow_assets.rl.judge import JUDGEMENT_SCHEMA, GroupJudgement, judge_groups_sync, judge_totals, judgement_table
+from flow_assets.rl.rewards import RewardConfig, chunked_custom_rewards, group_chunks, reward_table, trajectory_groups
 from resources.judge import JudgeEndpoint
 from resources.lake import TrajectoryLake
 
@@ -233,12 +236,13 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     cfg = config.to_pure()
     custom = verdicts = None
     judge_meta: dict = {}
-    if cfg.custom or judge.enabled:
+    if cfg.custom:
+        custom = {}
         chunks = lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"])
-        parsed = [Trajectory.model_validate_json(r) for c in chunks for r in c["record_json"].to_list()]
-        custom = custom_rewards(parsed, cfg) if cfg.custom else None
-        if judge.enabled:
-            verdicts, judge_meta = _judge(context, judge, parsed)
+        for part in chunked_custom_rewards((c["record_json"].to_list() for c in chunks), cfg):
+            custom.update(part)
+    if judge.enabled:
+        verdicts, judge_meta = _judge(context, judge, _group_chunks(lake, key))
     steps = lake.scan_partition("steps", key)
     table = reward_table(lake.scan_partition("trajectories", key), steps, cfg, custom, verdicts).with_columns(
         source=pl.lit(lake.batch_manifest(key).source)
@@ -261,25 +265,50 @@ def rewards(context: AssetExecutionContext, config: RewardsConfig, lake: Traject
     )
 
 
-def _judge(context: AssetExecutionContext, judge: JudgeEndpoint, trajectories: list[Trajectory]) -> tuple[pl.DataFrame, dict]:
-    """The scoring agent's verdicts on a batch's groups (one group per task id) and their metadata:
-    groups scored and dropped (with the reasons), requests, cache hits, tokens, USD."""
+def _group_chunks(lake: TrajectoryLake, key: str) -> Iterator[dict[str, list[Trajectory]]]:
+    """A batch's trajectories as ``task_id -> trajectories``, whole groups at a time, about
+    :data:`~flow_assets.logs.tables.CHUNK_RECORDS` trajectories per chunk (more only for one
+    larger group): memory is bounded by a chunk whatever the batch, even when a group's trials lie
+    far apart in the log (tau-bench's lie a whole trial round apart)."""
+    logs = lake.scan_partition("interaction_logs", key)
+    for chunk in group_chunks(logs.select("record", "task_id"), tables.CHUNK_RECORDS):
+        # the record range lets the reader skip the row groups that hold none of these groups
+        records = (
+            logs.filter(pl.col("record").is_between(chunk.first_record, chunk.last_record) & pl.col("task_id").is_in(list(chunk.task_ids)))
+            .select("record", "record_json")
+            .collect(engine="streaming")
+            .sort("record")
+        )
+        yield trajectory_groups(records["record_json"].to_list())
+
+
+def _judge(
+    context: AssetExecutionContext, judge: JudgeEndpoint, chunks: Iterable[dict[str, list[Trajectory]]]
+) -> tuple[pl.DataFrame, dict]:
+    """The scoring agent's verdicts on a batch's groups (one group per task id), asked chunk by
+    chunk of whole groups (:func:`_group_chunks`), and their metadata: groups scored and dropped
+    (with the reasons), requests, cache hits, tokens, USD."""
     settings = judge.settings()
-    groups: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:
-        groups.setdefault(trajectory.task_id, []).append(trajectory)
-    verdicts = judge_groups_sync(groups, settings, judge.base_url, judge.api_key, judge.cache())
+    cache = judge.cache()
+    verdicts: list[GroupJudgement] = []
+    sizes: dict[str, int] = {}
+    parts: list[pl.DataFrame] = [pl.DataFrame(schema=JUDGEMENT_SCHEMA)]
+    for groups in chunks:
+        chunk_verdicts = judge_groups_sync(groups, settings, judge.base_url, judge.api_key, cache)
+        parts.append(judgement_table(chunk_verdicts, groups))
+        verdicts.extend(chunk_verdicts)
+        sizes.update((task_id, len(group)) for task_id, group in groups.items())
     totals = judge_totals(verdicts)
     dropped = [v for v in verdicts if v.error is not None]
     for v in dropped[:20]:
-        context.log.warning(f"judge dropped group {v.task_id!r} ({len(groups[v.task_id])} trajectories): {v.error}")
+        context.log.warning(f"judge dropped group {v.task_id!r} ({sizes[v.task_id]} trajectories): {v.error}")
     context.log.info(
         f"judge {settings.model} ({settings.mode}): {totals['groups_scored']} groups scored, {totals['groups_dropped']} dropped; "
         f"{totals['calls']} requests, {totals['cached']} from the cache, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
         f"${totals['cost_usd']:.4f}"
     )
     reasons = "\n".join(["| task | trajectories | reason |", "|---|---|---|"] + [
-        f"| {v.task_id} | {len(groups[v.task_id])} | {v.error.replace('|', '/')} |" for v in dropped[:50]
+        f"| {v.task_id} | {sizes[v.task_id]} | {v.error.replace('|', '/')} |" for v in dropped[:50]
     ])  # fmt: skip
     meta = {
         "judge_model": settings.model,
@@ -294,7 +323,7 @@ def _judge(context: AssetExecutionContext, judge: JudgeEndpoint, trajectories: l
     }
     if dropped:
         meta["judge_dropped"] = MetadataValue.md(reasons)
-    return judgement_table(verdicts, groups), meta
+    return pl.concat(parts), meta
 
 
 @asset(
@@ -320,32 +349,12 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
     key = context.partition_key
     adv_cfg = config.to_pure()
     credit_cfg = config.credit.to_pure()
-    own = lake.read_partition("rewards", key)
-    if adv_cfg.group_scope == "batch":
-        pool = own.with_columns(batch=pl.lit(key))
-    else:
-        # the source's other batches as materialised now; re-materialise to take in later ones
-        source = own["source"][0] if own.height else None
-        others = (
-            lake.scan("rewards").filter((pl.col("source") == source) & (pl.col("batch") != key)).collect()
-            if source is not None
-            else own.clear().with_columns(batch=pl.lit(key))
-        )
-        pool = pl.concat([own.with_columns(batch=pl.lit(key)), others.select(own.columns + ["batch"])])
-    if adv_cfg.normalise_over == "turn":
-        steps_scan = (
-            lake.scan_partition("steps", key).with_columns(batch=pl.lit(key))
-            if adv_cfg.group_scope == "batch"
-            else lake.scan("steps").filter(pl.col("batch").is_in(pool["batch"].unique().to_list()))
-        )
-        pool = pool.join(_turn_counts(steps_scan), on=["batch", "trajectory_id"], how="left").with_columns(
-            pl.col("n_turns").fill_null(0)
-        )
-    pool = pool.with_columns(group_key=pl.col("task_id"))
-    labelled = pool.filter(pl.col("reward").is_not_null())
-    # unlabelled trajectories are kept with null advantages: no group statistics, no gradient
-    scored = pl.concat([group_advantages(labelled, adv_cfg), pool.filter(pl.col("reward").is_null())], how="diagonal_relaxed")
-    table = scored.filter(pl.col("batch") == key).drop("batch")
+    # lazy scans: pooled_advantages reads the peers only for group_scope="source" and the steps
+    # only for normalise_over="turn"
+    across_source = adv_cfg.group_scope == "source"
+    peers = lake.scan("rewards") if across_source else None
+    pool_steps = lake.scan("steps") if across_source else lake.scan_partition("steps", key).with_columns(batch=pl.lit(key))
+    table = pooled_advantages(lake.read_partition("rewards", key), key, adv_cfg, peers, pool_steps)
     # a null reward is either unlabelled or a group the judge could not score: both carry no gradient
     judge_dropped = int(table["judge_error"].is_not_null().sum()) if "judge_error" in table.columns else 0
     n_unlabelled = int(table["reward"].is_null().sum()) - judge_dropped
@@ -377,15 +386,6 @@ def advantages(context: AssetExecutionContext, config: AdvantagesConfig, lake: T
             "preview": preview_table(table),
         },
         check_results=[AssetCheckResult(check_name="advantages_finite", passed=finite, severity=AssetCheckSeverity.ERROR)],
-    )
-
-
-def _turn_counts(steps: pl.LazyFrame) -> pl.DataFrame:
-    """``batch, trajectory_id, n_turns``: each trajectory's decisions (steps that are not observations)."""
-    return (
-        steps.group_by("batch", "trajectory_id")
-        .agg(n_turns=(pl.col("kind") != "observation").sum().cast(pl.Int64))
-        .collect(engine="streaming")
     )
 
 

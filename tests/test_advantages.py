@@ -120,3 +120,79 @@ def test_turn_normalisation_leaves_out_rollouts_without_a_turn():
     assert out["zero_variance"].to_list() == [True] * 3 and out["advantage"].to_list() == [0.0] * 3
     with pytest.raises(ValueError, match="n_turns"):
         group_advantages(frame.drop("n_turns"), AdvantageConfig(normalise_over="turn"))
+
+
+# -- a batch's groups: pooling, turn counts and the advantages of the batch ------------------------
+from flow_assets.rl.advantages import pool_groups, pooled_advantages, turn_counts, with_turn_counts  # noqa: E402
+
+REWARDS_SCHEMA = {"trajectory_id": pl.String, "task_id": pl.String, "reward": pl.Float64, "source": pl.String}
+
+
+def _batch(rows: list[tuple[str, str, float | None]], source: str = "fleet") -> pl.DataFrame:
+    return pl.DataFrame([(*r, source) for r in rows], schema=REWARDS_SCHEMA, orient="row")
+
+
+def test_a_batch_is_grouped_by_task_with_unlabelled_rows_last_and_without_advantage():
+    # t1: rewards 1, 0 (mean 0.5, sample std sqrt(0.5)); t2: a group of one; t3: all equal;
+    # f: unlabelled (null reward), listed before the others but returned last
+    own = _batch([("f", "t1", None), ("a", "t1", 1.0), ("b", "t1", 0.0), ("c", "t2", 0.5), ("d", "t3", 0.3), ("e", "t3", 0.3)])
+    out = pooled_advantages(own, "b1", AdvantageConfig(eps=0.0))
+    assert out["trajectory_id"].to_list() == ["a", "b", "c", "d", "e", "f"]
+    assert out["group_key"].to_list() == ["t1", "t1", "t2", "t3", "t3", "t1"]
+    assert out["advantage"].to_list()[:5] == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), 0.0, 0.0, 0.0])
+    assert out["advantage"][5] is None and out["zero_variance"][5] is None
+    assert out["zero_variance"].to_list()[:5] == [False, False, True, True, True]
+    assert out["group_size"].to_list()[:5] == [2, 2, 1, 2, 2]  # the unlabelled f is not in t1's group
+    assert out["group_std"][2] is None  # a group of one has no sample std
+    assert "batch" not in out.columns and out.columns[:4] == own.columns
+    unscaled = pooled_advantages(own, "b1", AdvantageConfig(scale_by_std=False))  # Dr. GRPO
+    assert unscaled["advantage"].to_list()[:5] == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])
+
+
+def test_an_empty_batch_has_no_advantages_and_pools_nothing():
+    own = _batch([])
+    peers = _batch([("g", "t1", 1.0)]).with_columns(batch=pl.lit("b2"))
+    for config, kwargs in ((AdvantageConfig(), {}), (AdvantageConfig(group_scope="source"), {"peers": peers})):
+        out = pooled_advantages(own, "b1", config, **kwargs)
+        assert out.height == 0 and {"group_key", "advantage", "zero_variance"} <= set(out.columns)
+    assert pool_groups(own, "b1", peers).height == 0  # no source to match
+
+
+def test_source_scope_pools_the_other_batches_of_the_same_source_only():
+    own = _batch([("a", "t1", 1.0), ("b", "t1", 0.0)])
+    peers = pl.concat([
+        own.with_columns(batch=pl.lit("b1"), reward=pl.lit(5.0)),  # the batch itself, as stored: not pooled twice
+        _batch([("g", "t1", 1.0), ("h", "t1", 1.0)]).with_columns(batch=pl.lit("b2")),
+        _batch([("x", "t1", 0.0)], source="other").with_columns(batch=pl.lit("b3")),
+    ])  # fmt: skip
+    pool = pool_groups(own, "b1", peers.lazy())
+    assert pool.select("trajectory_id", "batch").rows() == [("a", "b1"), ("b", "b1"), ("g", "b2"), ("h", "b2")]
+    # t1 over the source: rewards 1, 0, 1, 1: mean 0.75, sample std sqrt((3 * 0.25^2 + 0.75^2) / 3) = 0.5
+    out = pooled_advantages(own, "b1", AdvantageConfig(group_scope="source", eps=0.0), peers=peers)
+    assert out["trajectory_id"].to_list() == ["a", "b"]
+    assert out["advantage"].to_list() == pytest.approx([0.25 / 0.5, -0.75 / 0.5])
+    assert out["group_size"].to_list() == [4, 4]
+    alone = pooled_advantages(own, "b1", AdvantageConfig(eps=0.0), peers=peers)  # batch scope ignores peers
+    assert alone["group_size"].to_list() == [2, 2]
+    with pytest.raises(ValueError, match="peers"):
+        pooled_advantages(own, "b1", AdvantageConfig(group_scope="source"))
+
+
+def test_turn_counts_leave_out_observations_and_other_batches():
+    steps = pl.DataFrame({
+        "batch": ["b1"] * 4 + ["b9"] * 3,
+        "trajectory_id": ["a", "a", "a", "b", "a", "a", "a"],
+        "kind": ["tool", "observation", "answer", "answer", "tool", "tool", "tool"],
+    })  # fmt: skip
+    counts = turn_counts(steps.lazy()).sort("batch", "trajectory_id")
+    assert counts.rows() == [("b1", "a", 2), ("b1", "b", 1), ("b9", "a", 3)]
+    own = _batch([("a", "t1", 1.0), ("b", "t1", 0.0), ("c", "t1", 0.0)])
+    pool = with_turn_counts(own.with_columns(batch=pl.lit("b1")), steps)
+    assert pool["n_turns"].to_list() == [2, 1, 0]  # c has no step: no turn, no row
+    # turn rows [1, 1, 0] (c has none): mean 2/3, sample std sqrt((2 * (1/3)^2 + (2/3)^2) / 2) = sqrt(1/3)
+    out = pooled_advantages(own, "b1", AdvantageConfig(normalise_over="turn", eps=0.0), steps=steps)
+    std = math.sqrt(1 / 3)
+    assert out["advantage"].to_list() == pytest.approx([(1 / 3) / std, -(2 / 3) / std, -(2 / 3) / std])
+    assert out["n_turns"].to_list() == [2, 1, 0] and out["group_size"].to_list() == [3, 3, 3]
+    with pytest.raises(ValueError, match="steps"):
+        pooled_advantages(own, "b1", AdvantageConfig(normalise_over="turn"))

@@ -222,3 +222,53 @@ def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_g
     assert f"{n_unlabelled} of {len(lines)} trajectories carry no outcome" in hint(row)
     steps = lake.read_partition("step_advantages", key["mixed"])
     assert steps.filter(pl.col("trajectory_id").is_in(unlabelled_ids))["advantage"].null_count() > 0
+
+
+def test_rewards_with_custom_functions_and_a_judge_stream_in_chunks_and_equal_the_whole_batch(tmp_path, dagster_instance, monkeypatch):
+    """The rewards asset reads the batch in chunks of 7 records (custom rewards) and of whole
+    groups (the judge: tau-bench's groups of 4 are one chunk each, their trials 50 records apart);
+    its table equals the one computed from the whole batch at once. The judge listens on no port,
+    so every group is dropped with the reason, as a real unreachable judge is."""
+    import socket
+
+    from flow_assets.logs import tables
+    from flow_assets.rl.judge import JudgeCache, judge_groups_sync, judgement_table
+    from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table, trajectory_groups
+    from flow_assets.logs.schema import Trajectory
+    from resources.judge import JudgeEndpoint
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judge = JudgeEndpoint(base_url=f"http://127.0.0.1:{port}/v1", model="m", mode="relative", max_retries=0, timeout_s=5,
+                          cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    (tmp_path / "landing" / "tau-bench").mkdir(parents=True)
+    shutil.copyfile(TAU_BENCH, tmp_path / "landing" / "tau-bench" / TAU_BENCH.name)
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), judge=judge)
+    custom = {"gpt-4o-airline": ["flow_assets.rl.reward_fns:tool_error_penalty"], "*": ["flow_assets.rl.reward_fns:answered"]}
+    monkeypatch.setattr(tables, "CHUNK_RECORDS", 7)
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"),
+                            {"ops": {"rewards": {"config": {"custom": custom}}}})  # fmt: skip
+    (key,) = tick.succeeded
+    lake = TrajectoryLake(root=str(tmp_path / "lake"))
+    streamed = lake.read_partition("rewards", key)
+
+    records = lake.read_partition("interaction_logs", key)["record_json"].to_list()
+    assert len(records) == 200 and lake.read_partition("trajectories", key)["task_id"].head(2).to_list() == ["0", "1"]
+    cfg = RewardConfig(custom={k: tuple(v) for k, v in custom.items()})
+    groups = trajectory_groups(records)
+    verdicts = judge_groups_sync(groups, judge.settings(), judge.base_url, judge.api_key, JudgeCache(None))
+    whole = reward_table(
+        lake.read_partition("trajectories", key), lake.read_partition("steps", key), cfg,
+        custom_rewards([Trajectory.model_validate_json(r) for r in records], cfg), judgement_table(verdicts, groups),
+    ).with_columns(source=pl.lit("tau-bench"))  # fmt: skip
+    assert streamed.equals(whole)
+    assert streamed["r_custom"].n_unique() > 1 and streamed["reward"].null_count() == 200
+    assert streamed["judge_error"].str.contains("APIConnectionError").all()
+    meta = next(
+        r.asset_materialization.metadata
+        for r in dagster_instance.fetch_materializations(AssetKey("rewards"), limit=5).records
+        if r.partition_key == key
+    )
+    assert (meta["judge_groups_dropped"].value, meta["judge_groups_scored"].value, meta["judge_requests"].value) == (50, 0, 0)
+    assert lake.read_partition("advantages", key)["advantage"].null_count() == 200

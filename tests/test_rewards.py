@@ -83,3 +83,62 @@ def test_custom_reward_returning_nan_is_an_error_naming_the_trajectory(monkeypat
     cfg = RewardConfig(custom={"*": ("flow_assets.rl.reward_fns:nan_reward",)})
     with pytest.raises(RewardFunctionError, match="'a'.*finite"):
         custom_rewards(TRAJS, cfg)
+
+
+# -- a batch in chunks ----------------------------------------------------------------------------
+from flow_assets.rl.rewards import GroupChunk, chunked_custom_rewards, group_chunks, trajectory_groups  # noqa: E402
+
+BOTH = RewardConfig(custom={"react": ("flow_assets.rl.reward_fns:tool_error_penalty",), "*": ("flow_assets.rl.reward_fns:answered",)})
+
+
+def test_custom_rewards_in_chunks_are_scored_one_chunk_at_a_time_and_equal_the_whole_batch():
+    records = [t.model_dump_json() for t in TRAJS]
+
+    def chunks():
+        yield records[:2]
+        yield []  # an empty chunk is allowed
+        yield records[2:]
+        raise AssertionError("read past the batch")
+
+    def first_then_fail():
+        yield records[:1]
+        raise AssertionError("the second chunk was read before the first was scored")
+
+    assert next(chunked_custom_rewards(first_then_fail(), BOTH)) == pytest.approx({"a": 0.9})
+    parts = chunked_custom_rewards(chunks(), BOTH)
+    assert [next(parts), next(parts), next(parts)] == [pytest.approx({"a": 0.9, "b": 1.0}), {}, pytest.approx({"c": 0.0})]
+    assert {k: v for p in chunked_custom_rewards([records[:1], records[1:]], BOTH) for k, v in p.items()} == custom_rewards(TRAJS, BOTH)
+    assert list(chunked_custom_rewards([records], RewardConfig())) == [{}]  # no function applies to anyone
+
+
+def test_a_failing_custom_reward_in_a_later_chunk_names_its_trajectory(monkeypatch):
+    import flow_assets.rl.reward_fns as fns
+
+    monkeypatch.setattr(fns, "fails_on_c", lambda t: 1 / 0 if t.trajectory_id == "c" else 1.0, raising=False)
+    parts = chunked_custom_rewards([[TRAJS[0].model_dump_json()], [TRAJS[2].model_dump_json()]],
+                                   RewardConfig(custom={"*": ("flow_assets.rl.reward_fns:fails_on_c",)}))  # fmt: skip
+    assert next(parts) == {"a": 1.0}
+    with pytest.raises(RewardFunctionError, match="fails_on_c.*'c'.*ZeroDivisionError"):
+        next(parts)
+
+
+def test_group_chunks_keep_groups_whole_in_the_order_of_their_first_record():
+    # interleaved like tau-bench's trials: a b a c b c d
+    records = pl.DataFrame({"record": range(7), "task_id": list("abacbcd")}, schema={"record": pl.UInt32, "task_id": pl.String})
+    assert group_chunks(records, 4) == [GroupChunk(("a", "b"), 4, 0, 4), GroupChunk(("c", "d"), 3, 3, 6)]
+    assert group_chunks(records.lazy(), 100) == [GroupChunk(("a", "b", "c", "d"), 7, 0, 6)]
+    # a group larger than the bound is a chunk of its own, never split
+    assert group_chunks(records, 1) == [
+        GroupChunk(("a",), 2, 0, 2), GroupChunk(("b",), 2, 1, 4), GroupChunk(("c",), 2, 3, 5), GroupChunk(("d",), 1, 6, 6)
+    ]  # fmt: skip
+    assert group_chunks(records.clear(), 4) == []
+    with pytest.raises(ValueError, match="max_trajectories"):
+        group_chunks(records, 0)
+
+
+def test_trajectory_groups_are_in_first_record_order():
+    other = _trajectory("d", "react:x", [], success=True).model_copy(update={"task_id": "t0"})
+    groups = trajectory_groups([t.model_dump_json() for t in (TRAJS[0], other, *TRAJS[1:])])
+    assert list(groups) == ["t1", "t0"]
+    assert [t.trajectory_id for t in groups["t1"]] == ["a", "b", "c"] and [t.trajectory_id for t in groups["t0"]] == ["d"]
+    assert trajectory_groups([]) == {}

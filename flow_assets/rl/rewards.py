@@ -19,7 +19,7 @@ Every component is returned on its own so that a user can see which term moved a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,24 +89,21 @@ def resolve_custom(config: RewardConfig, agent_id: str) -> list[tuple[str, Rewar
     return [(p, load_reward_fn(p)) for p in paths]
 
 
-def custom_rewards(trajectories: Iterable[Trajectory], config: RewardConfig) -> dict[str, float]:
-    """Sum of the custom reward functions that apply to each trajectory.
+def _custom_scorer(config: RewardConfig) -> Callable[[Trajectory], float | None]:
+    """``score(trajectory)``: the sum of the custom reward functions that apply to it, or None when
+    none applies; functions are resolved once per agent type, for as long as ``score`` lives.
 
-    Returns:
-        ``trajectory_id -> custom reward`` for the trajectories that have at least one function.
-
-    Raises:
-        RewardFunctionError: a function could not be loaded, raised, or returned a non-finite or
-            non-numeric value (the message names the function and the trajectory).
+    Raises (from ``score``):
+        RewardFunctionError: as :func:`custom_rewards`.
     """
     cache: dict[str, list[tuple[str, RewardFn]]] = {}
-    out: dict[str, float] = {}
-    for trajectory in trajectories:
+
+    def score(trajectory: Trajectory) -> float | None:
         kind = agent_type(trajectory.agent_id)
         if kind not in cache:
             cache[kind] = resolve_custom(config, trajectory.agent_id)
         if not cache[kind]:
-            continue
+            return None
         total = 0.0
         for path, fn in cache[kind]:
             try:
@@ -121,8 +118,135 @@ def custom_rewards(trajectories: Iterable[Trajectory], config: RewardConfig) -> 
                     f"{trajectory.trajectory_id!r}; expected a finite number"
                 )
             total += float(value)
-        out[trajectory.trajectory_id] = total
+        return total
+
+    return score
+
+
+def custom_rewards(trajectories: Iterable[Trajectory], config: RewardConfig) -> dict[str, float]:
+    """Sum of the custom reward functions that apply to each trajectory.
+
+    Returns:
+        ``trajectory_id -> custom reward`` for the trajectories that have at least one function.
+
+    Raises:
+        RewardFunctionError: a function could not be loaded, raised, or returned a non-finite or
+            non-numeric value (the message names the function and the trajectory).
+    """
+    score = _custom_scorer(config)
+    out: dict[str, float] = {}
+    for trajectory in trajectories:
+        value = score(trajectory)
+        if value is not None:
+            out[trajectory.trajectory_id] = value
     return out
+
+
+def chunked_custom_rewards(record_chunks: Iterable[Sequence[str]], config: RewardConfig) -> Iterator[dict[str, float]]:
+    """:func:`custom_rewards` over a batch read chunk by chunk, in bounded memory: each chunk of
+    canonical records is validated into trajectories, scored and let go before the next is read.
+
+    Args:
+        record_chunks: the batch's canonical trajectory JSON (the ``record_json`` column of the
+            lake's ``interaction_logs``), one sequence of strings per chunk, read lazily.
+        config: the reward config (its ``custom`` functions; the weights are not used here).
+
+    Yields:
+        Per chunk, in order: ``trajectory_id -> custom reward`` for its trajectories that have at
+        least one function (an empty dict when none has). The union over the chunks equals
+        :func:`custom_rewards` of the whole batch; functions are resolved once for all chunks.
+
+    Raises:
+        RewardFunctionError: as :func:`custom_rewards`, for the first failing trajectory in order.
+        pydantic.ValidationError: a record is not a valid canonical trajectory.
+    """
+    score = _custom_scorer(config)
+    for records in record_chunks:
+        out: dict[str, float] = {}
+        for record in records:
+            trajectory = Trajectory.model_validate_json(record)
+            value = score(trajectory)
+            if value is not None:
+                out[trajectory.trajectory_id] = value
+        yield out
+
+
+@dataclass(frozen=True)
+class GroupChunk:
+    """Whole groups of a batch to be read and scored together (:func:`group_chunks`).
+
+    Attributes:
+        task_ids: the groups, in the order of their first record.
+        trajectories: how many trajectories they hold together.
+        first_record / last_record: the smallest and largest record number among them
+            (``interaction_logs.record``: a trajectory's position in its batch, 0-based); a reader
+            needs to look only between them.
+    """
+
+    task_ids: tuple[str, ...]
+    trajectories: int
+    first_record: int
+    last_record: int
+
+
+def group_chunks(records: pl.DataFrame | pl.LazyFrame, max_trajectories: int) -> list[GroupChunk]:
+    """Cut a batch into chunks of whole groups (one group per ``task_id``, the judge's groups), for
+    scoring that needs a group together (the judge's relative mode) in bounded memory.
+
+    Groups are taken in the order of their first record and packed greedily: a chunk takes the
+    next group while it holds at most ``max_trajectories`` trajectories with it, so a chunk holds
+    at most ``max_trajectories`` unless one group alone is larger (that group is a chunk of its
+    own: a group is never split).
+
+    Args:
+        records: one row per trajectory with ``record`` (integer, its position in the batch) and
+            ``task_id`` (String): the lake's ``interaction_logs`` table or those two columns of it.
+        max_trajectories: the chunk bound, >= 1.
+
+    Returns:
+        The chunks in order; every group is in exactly one. Empty for an empty batch.
+
+    Raises:
+        ValueError: ``max_trajectories`` < 1.
+    """
+    if max_trajectories < 1:
+        raise ValueError(f"max_trajectories must be >= 1, got {max_trajectories}")
+    groups = (
+        records.lazy()
+        .group_by("task_id")
+        .agg(n=pl.len(), first=pl.col("record").min(), last=pl.col("record").max())
+        .sort("first")
+        .collect()
+    )
+    chunks: list[GroupChunk] = []
+    ids: list[str] = []
+    size, first, last = 0, 0, 0
+    for task_id, n, lo, hi in groups.iter_rows():
+        if ids and size + n > max_trajectories:
+            chunks.append(GroupChunk(tuple(ids), size, first, last))
+            ids, size = [], 0
+        if not ids:
+            first, last = lo, hi
+        ids.append(task_id)
+        size, first, last = size + n, min(first, lo), max(last, hi)
+    if ids:
+        chunks.append(GroupChunk(tuple(ids), size, first, last))
+    return chunks
+
+
+def trajectory_groups(records: Iterable[str]) -> dict[str, list[Trajectory]]:
+    """Canonical trajectory JSON validated and grouped by ``task_id``: ``task_id -> its
+    trajectories``, groups in the order of their first record, trajectories in record order
+    (what :func:`flow_assets.rl.judge.judge_groups` takes).
+
+    Raises:
+        pydantic.ValidationError: a record is not a valid canonical trajectory.
+    """
+    groups: dict[str, list[Trajectory]] = {}
+    for record in records:
+        trajectory = Trajectory.model_validate_json(record)
+        groups.setdefault(trajectory.task_id, []).append(trajectory)
+    return groups
 
 
 def reward_table(
