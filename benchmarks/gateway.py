@@ -52,6 +52,7 @@ THROUGHPUT_TOKENS = 8
 
 
 def _policy(root: Path, sft_steps: int, size: dict | None = None):
+    from flow_assets.gateway.serve import serve_policy
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.tiny_model import TinyModelConfig
@@ -75,7 +76,7 @@ def agents_8_vs_1(store, pairs: int) -> dict:
     task = source.tasks("train")[:1]
     config = HarnessConfig(land=False)
     calls = {1: [], 8: []}
-    with store.gateway(store.models_root) as server:
+    with serve_policy(store, store.models_root) as server:
 
         def once(group: int) -> float:
             started = time.perf_counter()
@@ -131,7 +132,7 @@ def _in_process(store, prompts: list[str], max_tokens: int, repeats: int) -> lis
 def overhead(store, repeats: int) -> dict:
     """8 concurrent calls through the gateway vs one in-process batch of the same 8 prompts."""
     prompts = [f"{100 + k}*{10 + k}" for k in range(8)]
-    with store.gateway(store.models_root) as server:
+    with serve_policy(store, store.models_root) as server:
         asyncio.run(_concurrent_calls(server.url, prompts, 1, OVERHEAD_TOKENS))
         gateway = [asyncio.run(_concurrent_calls(server.url, prompts, 1, OVERHEAD_TOKENS)) for _ in range(repeats)]
     direct = _in_process(store, prompts, OVERHEAD_TOKENS, repeats)
@@ -147,7 +148,7 @@ def throughput(store, calls: int) -> dict:
     for c in CONCURRENCY:
         prompts = [f"{100 + k % 900}*{10 + k % 90}" for k in range(c)]
         each = max(1, calls // c)
-        with store.gateway(store.models_root) as server:
+        with serve_policy(store, store.models_root) as server:
             asyncio.run(_concurrent_calls(server.url, prompts[: min(c, 8)], 1, THROUGHPUT_TOKENS))
             seconds = asyncio.run(_concurrent_calls(server.url, prompts, each, THROUGHPUT_TOKENS))
             batches, rows = server.gateway.batcher.batches, server.gateway.batcher.rows
@@ -181,7 +182,7 @@ def smollm2_sampling(work: Path, agents: int = 64) -> dict:
     source = WordProblemSource()
     tasks = source.tasks("train")[:agents]
     config = HarnessConfig(concurrency=agents, timeout_s=1800.0, temperature=0.5, land=False)
-    with store.gateway(work / "smollm2-landing") as server:
+    with serve_policy(store, work / "smollm2-landing") as server:
         started = time.perf_counter()
         results = asyncio.run(run_rollouts(server.url, word_problem_agent, tasks, source.score, 1, agent_id="bench", config=config))
         seconds = time.perf_counter() - started

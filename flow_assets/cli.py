@@ -72,6 +72,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.gateway.app import GatewayConfig
     from flow_assets.gateway.guard import RequestLimits
     from flow_assets.gateway.server import check_bind, gateway_tokens, serve_forever
+    from flow_assets.gateway.serve import make_gateway
     from flow_assets.policy.store import PolicyStore
 
     from flow_assets.ingest import check_source
@@ -104,7 +105,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         source=args.source,
         limits=limits,
     )
-    gateway = store.make_gateway(args.landing, config=config)
+    gateway = make_gateway(store, args.landing, config=config)
     print(
         f"flowopt gateway: http://{args.host}:{args.port}/v1 serving {', '.join(gateway.resolver.names())}; "
         f"rollouts land in {Path(args.landing) / args.source}; "

@@ -36,6 +36,7 @@ import polars as pl
 
 from flow_assets.definitions import build_definitions
 from flow_assets.gateway.engine import AdapterRef
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.local import REPO_ROOT, execute_requests, local_instance, run_job, tick_sensor
 from flow_assets.rl.evaluation import compare_policies
 from flow_assets.rounds import EvaluationConfig, evaluate_agents, read_evaluation, read_round_summary
@@ -526,7 +527,7 @@ def run_ab_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase,
     with Daemon(phase_env(state, phase, config_path), state.home / "daemon.log") as daemon:
         for b in range(AB_MAX_BATCHES):
             chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
-            with PolicyStore(str(phase.models)).gateway(state.landing) as server:
+            with serve_policy(PolicyStore(str(phase.models)), state.landing) as server:
                 run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
                                   source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
             batches += 1

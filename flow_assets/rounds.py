@@ -33,6 +33,7 @@ from flow_assets.atomic import write_json_atomic
 from flow_assets.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
 from flow_assets.gateway.app import GatewayConfig
 from flow_assets.gateway.engine import AdapterRef
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.policy.chat import conversation_rows
 from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
 from flow_assets.policy.rollouts import batch_id_for, training_samples
@@ -220,7 +221,7 @@ def collect_batch(
     batch = f"r{batch_number + 1:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
     harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
     started = time.perf_counter()
-    with store.gateway(landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:
+    with serve_policy(store, landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:
         results = asyncio.run(
             run_rollouts(server.url, agent, chosen, source.score, config.group_size,
                          agent_id=agent_id, batch=batch, source=folder, config=harness)
@@ -538,7 +539,7 @@ def evaluate_agents(
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
     """
     started = time.perf_counter()
-    with store.gateway(scratch_dir, extra=policies) as server:
+    with serve_policy(store, scratch_dir, extra=policies) as server:
 
         async def everything():
             runs = {

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flow_assets.gateway.app import GatewayConfig
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.sampling import completion_logprobs
@@ -26,7 +27,7 @@ def _landed(path: Path) -> list[Trajectory]:
 def test_two_turn_tool_conversation_lands_as_one_trajectory_of_exactly_what_was_sampled(calculator_policy_dir, tmp_path):
     store = PolicyStore(str(calculator_policy_dir))
     messages = [{"role": "user", "content": "874*59"}]
-    with store.gateway(tmp_path / "landing") as server:
+    with serve_policy(store, tmp_path / "landing") as server:
 
         async def agent():
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": "conv-1"})
@@ -69,7 +70,7 @@ def test_two_turn_tool_conversation_lands_as_one_trajectory_of_exactly_what_was_
 
 
 def test_models_are_the_registry_and_unknown_names_get_openai_404(fresh_policy_dir, tmp_path):
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server:
 
         async def calls():
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
@@ -87,7 +88,7 @@ def test_models_are_the_registry_and_unknown_names_get_openai_404(fresh_policy_d
 
 
 def test_n_choices_stop_strings_and_the_path_prefix_rollout(fresh_policy_dir, tmp_path):
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path) as server, httpx.Client(base_url=server.url) as client:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
         body = {"model": "policy", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 12, "seed": 4}
         many = client.post("/rollouts/by-path/v1/chat/completions", json={**body, "n": 3, "logprobs": True}).json()
         lengths = [len(c["logprobs"]["content"]) for c in many["choices"]]
@@ -126,7 +127,7 @@ MALFORMED = [
 
 
 def test_malformed_requests_get_4xx_in_openai_error_shape(fresh_policy_dir, tmp_path):
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path) as server, httpx.Client(base_url=server.url) as client:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
         for content, status, param, code in MALFORMED:
             response = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
             error = response.json()["error"]
@@ -143,7 +144,7 @@ def test_malformed_requests_get_4xx_in_openai_error_shape(fresh_policy_dir, tmp_
 
 def test_a_rollout_never_finished_lands_as_an_error_after_its_timeout(fresh_policy_dir, tmp_path):
     config = GatewayConfig(rollout_timeout_s=0.3, reap_every_s=0.1, batch_flush_seconds=0.2, default_max_tokens=4)
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path / "landing", config=config) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path / "landing", config=config) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": "orphan"})
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         deadline = time.monotonic() + 20
@@ -160,7 +161,7 @@ def test_a_rollout_never_finished_lands_as_an_error_after_its_timeout(fresh_poli
 
 
 def test_stopping_the_gateway_lands_open_rollouts_and_batches(fresh_policy_dir, tmp_path):
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path, config=GatewayConfig(default_max_tokens=3)) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path, config=GatewayConfig(default_max_tokens=3)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": "open"})
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         httpx.post(f"{server.url}/rollouts", json={"rollout_id": "done", "task_id": "t", "batch": "b1"})

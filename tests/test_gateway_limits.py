@@ -13,6 +13,7 @@ import pytest
 
 from flow_assets.gateway.app import GatewayConfig, scrub_paths
 from flow_assets.gateway.guard import RequestLimits, json_depth
+from flow_assets.gateway.serve import make_gateway, serve_policy
 from flow_assets.gateway.server import GatewayServer, check_bind, gateway_tokens, is_loopback
 from flow_assets.policy.store import PolicyStore
 from flow_assets.settings import Settings
@@ -36,7 +37,7 @@ def _raw(url: str, head: bytes, body: bytes = b"", timeout: float = 30.0) -> tup
 
 def test_size_cap_413_before_reading_and_while_streaming_and_a_trickling_body_408(fresh_policy_dir, tmp_path):
     config = GatewayConfig(limits=RequestLimits(max_body_bytes=64 * 1024, body_timeout_s=0.5))
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path, config=config) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path, config=config) as server:
         # 50 MB declared: refused from the headers alone, with nothing of the body sent
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
         status, answer = _raw(server.url, head)
@@ -55,7 +56,7 @@ def test_size_cap_413_before_reading_and_while_streaming_and_a_trickling_body_40
 
 
 def test_deep_nesting_and_huge_seeds_are_400_never_500(fresh_policy_dir, tmp_path):
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path) as server, httpx.Client(base_url=server.url) as client:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
         deep = b'{"model": "policy", "messages": [{"role": "user", "content": "a"}], "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         reply = client.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "json_too_deep"
@@ -78,7 +79,7 @@ def test_deep_nesting_and_huge_seeds_are_400_never_500(fresh_policy_dir, tmp_pat
 
 
 def test_tokens_are_asked_before_the_body_and_cover_metrics(fresh_policy_dir, tmp_path):
-    gateway = PolicyStore(str(fresh_policy_dir)).make_gateway(tmp_path)
+    gateway = make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path)
     with GatewayServer(gateway, tokens=["s3cret", "other"]) as server:
         url = server.url
         assert httpx.get(url + "/health").status_code == 200  # liveness probes need none
@@ -104,7 +105,7 @@ def test_no_listening_beyond_loopback_without_tokens_and_no_paths_in_errors(fres
     with pytest.raises(ValueError, match="FLOWOPT_GATEWAY_TOKENS"):
         check_bind("0.0.0.0", [])
     with pytest.raises(ValueError):
-        GatewayServer(PolicyStore(str(fresh_policy_dir)).make_gateway(tmp_path), host="0.0.0.0")
+        GatewayServer(make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path), host="0.0.0.0")
     rc, _, err = run_cli(["serve", "--models", fresh_policy_dir, "--landing", tmp_path, "--host", "0.0.0.0"])
     assert rc == 2 and "refusing to listen on '0.0.0.0' without bearer tokens" in err
     tokens = tmp_path / "tokens"
@@ -115,7 +116,7 @@ def test_no_listening_beyond_loopback_without_tokens_and_no_paths_in_errors(fres
     # an error text that would name a file of the server's names none
     assert scrub_paths(f"cannot open {tmp_path}/models/adapters/v3 (errno 2)") == "cannot open <path> (errno 2)"
     assert scrub_paths("The model 'v9' does not exist; this gateway serves: policy, v0") == "The model 'v9' does not exist; this gateway serves: policy, v0"
-    with PolicyStore(str(fresh_policy_dir)).gateway(tmp_path / "landing") as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path / "landing") as server:
         # an unexpected failure deep inside (here: the landing directory became a file) is an id, not a path
         httpx.post(server.url + "/rollouts", json={"rollout_id": "r", "task_id": "t", "source": "blocked"})
         (tmp_path / "landing").mkdir(exist_ok=True)

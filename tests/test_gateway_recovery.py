@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from flow_assets.gateway.landing import BatchLander
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.logs.reader import parse_file
 from flow_assets.logs.schema import Outcome, Trajectory
 from flow_assets.policy.store import PolicyStore
@@ -84,7 +85,7 @@ def test_sigkill_mid_batch_then_restart_lands_every_finished_rollout_exactly_onc
     with open(landing / "s" / "b1.jsonl.tmp", "ab") as fh:
         fh.write(b'{"trajectory_id": "torn", "task_id": "t", "ste')
 
-    with PolicyStore(str(fresh_policy_dir)).gateway(landing) as restarted:
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), landing) as restarted:
         recovered = httpx.get(restarted.url + "/health").json()["recovered_batches"]
         assert sorted(r["batch"] for r in recovered)[-1] == "s/b1.jsonl"
         assert sum(r["rollouts"] for r in recovered) == 24 + 6 and sum(r["torn_bytes"] for r in recovered) > 0

@@ -10,6 +10,7 @@ from flow_assets.agents.builtin import calculator_agent, one_turn_agent
 from flow_assets.agents.harness import AgentLoadError, HarnessConfig, load_agent, run_rollouts
 from flow_assets.definitions import build_definitions
 from flow_assets.gateway.app import GatewayConfig
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.local import execute_requests, tick_sensor
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.rollouts import training_samples
@@ -48,7 +49,7 @@ async def _troubled_agent(client, task):
 def test_failing_agents_land_as_error_rollouts_and_the_batch_goes_on(fresh_policy_dir, tmp_path):
     tasks = [_task(t) for t in ("raises", "hangs", "never-calls", "fine")]
     config = HarnessConfig(concurrency=4, timeout_s=8.0)
-    with PolicyStore(str(fresh_policy_dir), max_new_tokens=4).gateway(tmp_path) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir), max_new_tokens=4), tmp_path) as server:
         results = asyncio.run(
             run_rollouts(server.url, _troubled_agent, tasks, lambda t, a: 1.0, 1, agent_id="test", batch="b", source="s", config=config)
         )
@@ -66,7 +67,7 @@ def test_failing_agents_land_as_error_rollouts_and_the_batch_goes_on(fresh_polic
 
 def test_eight_concurrent_agents_share_batched_generation(fresh_policy_dir, tmp_path):
     config = GatewayConfig(max_wait_ms=50, default_max_tokens=6)
-    with PolicyStore(str(fresh_policy_dir), max_new_tokens=6).gateway(tmp_path, config=config) as server:
+    with serve_policy(PolicyStore(str(fresh_policy_dir), max_new_tokens=6), tmp_path, config=config) as server:
         results = asyncio.run(
             run_rollouts(server.url, one_turn_agent, TASKS[:1], SOURCE.score, 8, agent_id="a", batch="g", source="s")
         )
@@ -80,7 +81,7 @@ def test_eight_concurrent_agents_share_batched_generation(fresh_policy_dir, tmp_
 
 def test_training_consumes_exactly_the_ids_the_gateway_rendered_and_sampled(calculator_policy_dir, tmp_path, dagster_instance):
     landing, lake_root = tmp_path / "landing", tmp_path / "lake"
-    with PolicyStore(str(calculator_policy_dir)).gateway(landing) as server:
+    with serve_policy(PolicyStore(str(calculator_policy_dir)), landing) as server:
         asyncio.run(
             run_rollouts(server.url, calculator_agent, TASKS[:4], SOURCE.score, 4, agent_id="flowopt:calculator",
                          batch="rollouts-0000", source="flowopt-calculator", config=HarnessConfig(temperature=0.8))
@@ -107,7 +108,7 @@ def test_training_consumes_exactly_the_ids_the_gateway_rendered_and_sampled(calc
 
 def test_a_batch_collected_at_temperature_0_7_gives_ratio_1_before_the_first_update(calculator_policy_dir, tmp_path):
     store = PolicyStore(str(calculator_policy_dir))
-    with store.gateway(tmp_path) as server:
+    with serve_policy(store, tmp_path) as server:
         asyncio.run(
             run_rollouts(server.url, calculator_agent, TASKS[:8], SOURCE.score, 4, agent_id="a", batch="t07", source="s",
                          config=HarnessConfig(temperature=0.7))

@@ -8,6 +8,7 @@ import socket
 import polars as pl
 import pytest
 
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.logs.schema import Outcome, Step, Trajectory
 from flow_assets.rl.judge import (
     JudgeCache,
@@ -167,7 +168,7 @@ def test_the_gateway_as_judge_scores_groups_counts_tokens_and_cost_and_caches(ju
     settings = JudgeSettings(model="policy", mode="absolute", rubric=RUBRIC, max_tokens=24, concurrency=4, input_usd_per_mtok=2.0, output_usd_per_mtok=8.0)
     relative = JudgeSettings(model="policy", mode="relative", rubric=RUBRIC, max_tokens=24)
     cache = JudgeCache(tmp_path / "cache")
-    with PolicyStore(str(judge_policy_dir)).gateway(tmp_path / "landing") as server:
+    with serve_policy(PolicyStore(str(judge_policy_dir)), tmp_path / "landing") as server:
         first = judge_groups_sync(groups, settings, server.url + "/v1", "unused", cache)
         again = judge_groups_sync(groups, settings, server.url + "/v1", "unused", cache)
         ranked = judge_groups_sync(groups, relative, server.url + "/v1", "unused", cache)
@@ -224,7 +225,7 @@ def test_the_rewards_asset_asks_the_judge_and_drops_what_it_cannot_score(judge_p
     (landing / "adder.jsonl").write_text("\n".join(lines) + "\n")
     shutil.copy(shared_data / "tau-bench" / "gpt-4o-airline.json", landing / "tau-bench.json")
     (tmp_path / "home").mkdir()
-    with PolicyStore(str(judge_policy_dir)).gateway(tmp_path / "judge-landing") as server:
+    with serve_policy(PolicyStore(str(judge_policy_dir)), tmp_path / "judge-landing") as server:
         judge = JudgeEndpoint(base_url=server.url + "/v1", model="policy", mode="absolute", rubric=RUBRIC, max_tokens=24, max_retries=0,
                               cache_dir=str(tmp_path / "cache"))  # fmt: skip
         defs = build_definitions(str(tmp_path / "lake"), str(landing), models_root=str(tmp_path / "models"), settle_seconds=0, judge=judge)

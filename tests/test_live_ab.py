@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flow_assets.gateway.engine import in_challenger_share
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.store import PolicyStore
 from resources.registry import AdapterRegistry, RegistryError
@@ -77,7 +78,7 @@ def test_the_gateway_serves_policy_from_both_sides_by_session_and_records_which(
     registry.start_challenger("v1", champion["adapter_path"], {}, 0.3, by="test", reason="split")
     sessions = [f"s{i}" for i in range(60)]
     served: dict[str, set[str]] = {s: set() for s in sessions}
-    with PolicyStore(str(root)).gateway(tmp_path / "landing") as server, httpx.Client(base_url=server.url, timeout=60) as client:
+    with serve_policy(PolicyStore(str(root)), tmp_path / "landing") as server, httpx.Client(base_url=server.url, timeout=60) as client:
         assert "challenger" in [m["id"] for m in client.get("/v1/models").json()["data"]]
         for turn in range(2):
             for s in sessions:
@@ -151,7 +152,7 @@ def test_live_traffic_through_the_gateway_and_dagster_promotes_the_better_challe
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         for batch in range(6):
             chosen = train[batch * 40 : (batch + 1) * 40]
-            with store.gateway(tmp_path / "landing") as server:
+            with serve_policy(store, tmp_path / "landing") as server:
                 results = run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"live-{batch:04d}",
                                             source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
             assert len(results) == len(chosen)

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from flow_assets.gateway.serve import serve_policy
 from flow_assets.policy import presets
 from flow_assets.policy.presets import ModelPreset, PresetUnavailable, find_gguf, get_preset, is_prepared, prepare_model
 
@@ -84,7 +85,7 @@ def test_a_tool_call_of_smollm2_round_trips_through_the_gateway(smollm2, tmp_pat
     store = PolicyStore(str(tmp_path / "models"), base_model_path=str(smollm2))
     register_identity_adapter(store, AdapterRegistry(root=store.models_root), "test", "SmolLM2 as it is")
     messages = [*WORKED_EXAMPLES, {"role": "user", "content": "A box holds 65 eggs. How many eggs are in 61 boxes?"}]
-    with store.gateway(tmp_path / "landing") as server:
+    with serve_policy(store, tmp_path / "landing") as server:
 
         async def agent():
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": "smol-1"})

@@ -14,6 +14,7 @@ if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
 
 
 def test_vllm_rollouts_carry_the_policy_logprobs(tmp_path):
+    from flow_assets.gateway.serve import serve_policy
     from flow_assets.policy.sampling import SamplingConfig, completion_logprobs
     from flow_assets.policy.tiny_model import load_policy, save_tiny_policy
     from flow_assets.policy.vllm_backend import VLLMSampler
@@ -57,7 +58,7 @@ def test_the_gateway_serves_smollm2_through_vllm_with_a_lora_adapter(tmp_path):
     store = PolicyStore(str(tmp_path / "models"), base_model_path=base, backend="vllm")
     register_identity_adapter(store, AdapterRegistry(root=store.models_root), "test", "SmolLM2 as it is")
     messages = [*WORKED_EXAMPLES, {"role": "user", "content": "A box holds 65 eggs. How many eggs are in 61 boxes?"}]
-    with store.gateway(tmp_path / "landing") as server:
+    with serve_policy(store, tmp_path / "landing") as server:
 
         async def call(rollout: str, temperature: float):
             client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": rollout})

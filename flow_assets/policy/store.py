@@ -1,9 +1,10 @@
-"""Where a policy lives on disk, and the gateway that serves it.
+"""Where a policy lives on disk.
 
 A policy's models directory holds its base model (``base/``, unless the user's own model lives
 elsewhere), its LoRA adapters (``adapters/<version>/``), the rounds' files (``runs/<batch>/``) and
 the registry (``registry.json``). :class:`PolicyStore` is that layout plus how to load from it;
-the Dagster resource :class:`resources.policy.PolicyModel` wraps one.
+the Dagster resource :class:`resources.policy.PolicyModel` wraps one, and
+:mod:`flow_assets.gateway.serve` serves one.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from flow_assets.gateway.app import Gateway, GatewayConfig
-from flow_assets.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine
-from flow_assets.gateway.server import GatewayServer
 from flow_assets.settings import DEFAULT_MODELS
 
 
@@ -75,27 +73,3 @@ class PolicyStore:
         from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter
 
         return add_lora_adapter(model, LoraAdapterConfig(rank=self.lora_rank, alpha=self.lora_alpha))
-
-    def make_gateway(
-        self, landing_dir: str | Path, extra: dict[str, AdapterRef] | None = None, config: GatewayConfig | None = None
-    ) -> Gateway:
-        """A gateway over this policy (not yet serving). ``extra`` serves adapters by name
-        besides the registry's; the default config caps completions at ``max_new_tokens``.
-
-        Raises:
-            OSError: the base model cannot be loaded.
-        """
-        engine = PolicyEngine(self.base_path, backend=self.backend, max_lora_rank=self.lora_rank)
-        config = config or GatewayConfig(default_max_tokens=self.max_new_tokens)
-        return Gateway(engine, AdapterResolver(self.registry_path, extra), landing_dir, config)
-
-    def gateway(
-        self,
-        landing_dir: str | Path,
-        extra: dict[str, AdapterRef] | None = None,
-        config: GatewayConfig | None = None,
-        port: int = 0,
-    ) -> GatewayServer:
-        """:meth:`make_gateway` serving HTTP on 127.0.0.1 from a background thread (a context
-        manager; ``port=0`` picks a free port)."""
-        return GatewayServer(self.make_gateway(landing_dir, extra, config), port=port)
