@@ -415,7 +415,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
 
     from flow_assets.deployment import Daemon, finished_runs, runs_in_flight, wait_until
     from flow_assets.rounds import landing_source
-    from sensors.landing import key_component, key_source
+    from flow_assets.logs.landing import key_component, key_source
     from sensors.self_play import AGENT_TAG
 
     agent_id = TaskSourceResource(kind=phase.kind).agent_id

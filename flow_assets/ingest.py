@@ -10,8 +10,8 @@ same for users):
    (recursively; hidden names, ``*.tmp`` and symbolic links are skipped).
 2. Each file is copied into the landing directory (``<landing>/<source>/<name>``, written as
    a hidden, locked ``.tmp`` then renamed; the temporaries of copies killed midway are removed
-   first, :func:`sensors.landing.remove_stale_temporaries`) and registered as its own log batch, keyed by content
-   (:func:`sensors.landing.batch_key`). Only these batches run: other files in the landing
+   first, :func:`flow_assets.logs.landing.remove_stale_temporaries`) and registered as its own log batch, keyed by content
+   (:func:`flow_assets.logs.landing.batch_key`). Only these batches run: other files in the landing
    directory are the sensor's business.
 3. A batch whose bytes were ingested before and went through the whole data plane is not run
    again ("already ingested", :data:`EXIT_ALREADY_INGESTED`) unless ``force``; one whose earlier
@@ -45,7 +45,7 @@ from flow_assets.partitions import log_batches
 from flow_assets.recovery import recover_dead_runs
 from flow_assets.summary import batch_summary
 from resources.lake import BatchManifest, TrajectoryLake
-from sensors.landing import LandedFile, batch_key, ingest_temporary, is_in_progress, remove_stale_temporaries, sha256_file
+from flow_assets.logs.landing import LandedFile, batch_key, ingest_temporary, is_in_progress, remove_stale_temporaries, sha256_file
 
 EXIT_OK = 0
 EXIT_FAILED = 1

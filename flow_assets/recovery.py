@@ -30,7 +30,7 @@ import psutil
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
 from flow_assets.partitions import log_batches
-from sensors.landing import LandedFile, grown_from
+from flow_assets.logs.landing import LandedFile, grown_from
 
 HOST_TAG = "flowopt/host"
 PID_TAG = "flowopt/pid"
@@ -105,7 +105,7 @@ def batches_to_rerun(instance: DagsterInstance, job_name: str = "log_batch_job")
 
 def retire_grown_batches(instance: DagsterInstance, lake, landed: LandedFile) -> tuple[list[str], list[str]]:
     """Retire the batches registered from ``landed``'s name whose bytes are a strict prefix of
-    the file now (:func:`sensors.landing.grown_from`): their dynamic partition and every row and
+    the file now (:func:`flow_assets.logs.landing.grown_from`): their dynamic partition and every row and
     snapshot of theirs in ``lake`` go, because the batch of the whole file holds all their records.
     Nothing is retired while one of them has an unfinished run (it would write rows back); the
     caller waits for a later tick then.

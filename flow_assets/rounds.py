@@ -203,7 +203,7 @@ def collect_batch(
 ) -> CollectionResult:
     """Run the champion's agents on a batch of train tasks through an in-process gateway (real
     HTTP) and land the batch as ``<landing>/<source>/r<round>-<id>.jsonl`` (round = batches landed
-    before it + 1; its partition key then starts with ``r<round>``, see ``sensors.landing.batch_key``).
+    before it + 1; its partition key then starts with ``r<round>``, see ``flow_assets.logs.landing.batch_key``).
 
     Raises:
         RoundError: no champion.

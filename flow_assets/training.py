@@ -49,7 +49,7 @@ from flow_assets.api.jobs import PAUSED_TAG, pause_requested
 from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
 from flow_assets.versions import TRAINING_OWNERS, code_version
-from sensors.landing import key_round
+from flow_assets.logs.landing import key_round
 from flow_assets.rounds import (
     CollectConfig,
     build_base_policy,

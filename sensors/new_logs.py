@@ -12,7 +12,7 @@ from flow_assets.partitions import log_batches
 from flow_assets.recovery import batches_to_rerun, recover_dead_runs, retire_grown_batches
 from resources.lake import BatchManifest, TrajectoryLake
 from resources.landing import LogLanding
-from sensors.landing import batch_key, list_landed, sha256_file
+from flow_assets.logs.landing import batch_key, list_landed, sha256_file
 from sensors.settings import sensor_interval
 
 
@@ -43,7 +43,7 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
     one file), so a tick stays far from Dagster's 60 s sensor timeout whatever arrives at once;
     the files left are not in the cursor yet and are taken up by the next tick. A file modified
     within ``landing.settle_seconds`` waits too (it may be written in place); symbolic links are
-    never followed (:func:`sensors.landing.list_landed`).
+    never followed (:func:`flow_assets.logs.landing.list_landed`).
     """
     cursor = _load_cursor(context.cursor)
     new_keys: list[str] = []

@@ -28,7 +28,7 @@ from flow_assets.rounds import landing_source
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
-from sensors.landing import key_component, key_source
+from flow_assets.logs.landing import key_component, key_source
 from sensors.settings import sensor_interval
 from sensors.training import failed_data_checks
 

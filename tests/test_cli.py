@@ -248,7 +248,7 @@ def test_a_copy_killed_midway_leaves_a_temporary_that_the_next_ingest_removes(tm
     import signal
     import time
 
-    from sensors.landing import remove_stale_temporaries
+    from flow_assets.logs.landing import remove_stale_temporaries
 
     landing = tmp_path / "landing"
     source = tmp_path / "source.jsonl"

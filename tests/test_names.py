@@ -12,7 +12,7 @@ from dagster import DagsterInstance
 from flow_assets.ingest import IngestUsageError, resolve_arguments
 from flow_assets.partitions import log_batches
 from tests.conftest import run_cli
-from sensors.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component, key_source
+from flow_assets.logs.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component, key_source
 from tests.conftest import SHARED_DATA, TAU_BENCH
 
 SHA = "0123456789abcdef" * 4

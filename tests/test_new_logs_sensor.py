@@ -215,7 +215,7 @@ def test_a_hard_link_into_the_landing_directory_is_refused_and_its_file_left_unt
     assert not any("linked" in m.original_path for m in manifests)
     assert outside.read_bytes() == before and (landing / "tau-bench" / "linked.json").exists() and outside.stat().st_nlink == 2
     refused: list = []
-    from sensors.landing import list_landed
+    from flow_assets.logs.landing import list_landed
 
     list_landed(landing, refused)
     assert [(p.name, "hard link" in why) for p, why in refused] == [("linked.json", True)]

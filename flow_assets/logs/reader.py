@@ -4,7 +4,7 @@
 explicitly; formats from plug-ins (``flow_assets/logs/plugins.py``) are read the same way and
 detected after the built-in ones.
 Which files of the landing directory get read at all (never ``*.tmp`` or ``.``-prefixed names)
-is decided by ``sensors/landing.py``; see ``docs/log-format.md``.
+is decided by ``flow_assets/logs/landing.py``; see ``docs/log-format.md``.
 """
 
 from __future__ import annotations
