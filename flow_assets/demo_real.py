@@ -17,7 +17,7 @@ multi-turn tool-using agent, on this machine's CPU.
 
 The agents are served, collected and evaluated (``sampled``) at temperature
 :data:`TEMPERATURE`. Sizes are chosen for about 20 minutes on 2 CPU cores (measured figures in
-the README).
+docs/real-model.md).
 """
 
 from __future__ import annotations

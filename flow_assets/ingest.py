@@ -1,7 +1,7 @@
 """``flowopt ingest``: exactly the named log files into the lake, with a result per file that
 says what happened.
 
-What a call does (the README's "Using it on your logs" and ``flowopt ingest --help`` say the
+What a call does (docs/ingest.md and ``flowopt ingest --help`` say the
 same for users):
 
 1. Every argument is checked before anything lands (all-or-nothing for argument errors): a

@@ -1,6 +1,6 @@
 """Trajectory rewards: the logged outcome plus shaped terms plus custom reward functions.
 
-For trajectory ``tau`` with steps ``s_1..s_n`` (DESIGN.md, "rewards"):
+For trajectory ``tau`` with steps ``s_1..s_n`` (docs/architecture.md, "The reward"):
 
     reward(tau) = w_outcome * outcome(tau)
                 + w_tool_success * #{s_i : kind == tool and status == ok}
@@ -42,7 +42,7 @@ class RewardFunctionError(ValueError):
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Weights of the reward terms. The defaults are the seed formula of DESIGN.md.
+    """Weights of the reward terms. The defaults are the formula of docs/architecture.md, "The reward".
 
     Attributes:
         outcome: weight of the logged outcome (score, else success as 1/0).
