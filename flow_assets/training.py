@@ -186,7 +186,7 @@ def _check_job_budget(context: AssetExecutionContext, lake: TrajectoryLake) -> N
     """A round of an API job (run tags ``flowopt/job``, ``flowopt/job_budget_usd``) starts only
     while its agent's spend this month is under the job's budget; otherwise the run fails with the
     tag ``flowopt/job_failure = budget`` and the job stops at this round boundary."""
-    from flow_assets.api.budget import lake_spend
+    from flow_assets.budget import lake_spend
     from flow_assets.api.jobs import AGENT_TAG, BUDGET_TAG, FAILURE_TAG, JOB_TAG
 
     tags = context.run.tags

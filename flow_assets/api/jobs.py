@@ -18,7 +18,7 @@ cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
 
 ``rounds`` counts finished rounds and which were promoted or blocked (the gate's verdict is the
 run tag ``flowopt/gate``). Budget: ``start_grpo`` refuses (-32003) when the agent has spent its
-monthly budget (:mod:`flow_assets.api.budget`); each round checks it again when it starts
+monthly budget (:mod:`flow_assets.budget`); each round checks it again when it starts
 (``policy_checkpoint``) and fails with the run tag ``flowopt/job_failure = budget``, so a job
 whose budget runs out stops at the next round boundary, state ``failed``, reason ``budget``.
 
@@ -160,7 +160,7 @@ class JobService:
             ``submit_job_execution`` in a deployment).
         terminate: ``terminate(run_ids)`` (the GraphQL client's ``terminate_runs``).
         partitions: ``() -> set of log batch keys`` that exist.
-        spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.api.budget`).
+        spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.budget`).
         default_budget_usd: an agent's monthly budget when a job names none, USD.
         lake: the trajectory lake (exports read it).
         versions: ``versions(version) -> bool``, whether the adapter registry holds ``version``

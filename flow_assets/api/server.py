@@ -267,7 +267,7 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", se
     def submit(job_name, run_config, tags):
         return client.submit_job_execution(job_name, repository_location_name=location, run_config=run_config, tags=tags)
 
-    from flow_assets.api.budget import CachedSpend, prices_of
+    from flow_assets.budget import CachedSpend, prices_of
     from resources.lake import TrajectoryLake
 
     settings = settings or Settings.from_environ()
