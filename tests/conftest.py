@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from dagster import instance_for_test
 
+pytest_plugins = ["tests.ci_strict"]  # in CI a skip fails (GPU tests excepted)
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TAU_BENCH = SHARED_DATA / "tau-bench" / "gpt-4o-airline.json"
 
