@@ -203,7 +203,7 @@ def run(args, work: Path, source, train: list[Task], held_out: list[Task], demos
             GRPOTrainerConfig(
                 output_dir=str(work / f"round-{k}"),
                 learning_rate=args.lr,
-                num_epochs=args.epochs,
+                num_iterations=args.epochs,
                 minibatch_size=args.minibatch,
                 loss=GRPOLossConfig(beta=args.beta),
                 seed=args.seed * 1000 + k,

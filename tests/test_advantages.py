@@ -24,7 +24,7 @@ def test_grpo_advantage_matches_hand_computation():
 
 
 def test_dr_grpo_does_not_scale_by_std():
-    out = group_advantages(_rewards({"t": [1, 0, 0, 0]}), AdvantageConfig(scale_by_std=False))
+    out = group_advantages(_rewards({"t": [1, 0, 0, 0]}), AdvantageConfig(scale_rewards=False))
     assert out["advantage"].to_list() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 

@@ -51,7 +51,7 @@ def _resume_round(out_dir: str, max_steps: int = 12):
     """The round the SIGKILL test runs: same model, samples and config in every process."""
     model, _ = _policy()
     config = GRPOTrainerConfig(
-        output_dir=out_dir, learning_rate=1e-2, num_epochs=100, minibatch_size=8, max_steps=max_steps, checkpoint_every=2, seed=3
+        output_dir=out_dir, learning_rate=1e-2, num_iterations=100, minibatch_size=8, max_steps=max_steps, checkpoint_every=2, seed=3
     )
     return model, _synthetic_samples(), config
 
@@ -73,7 +73,7 @@ def test_round_moves_policy_in_the_direction_of_the_advantages(tmp_path):
     negative = [s for s in samples if s.advantage < 0]
     before = _mean_logprob(model, positive), _mean_logprob(model, negative)
     result = train_grpo_round(
-        model, samples, GRPOTrainerConfig(output_dir=str(tmp_path), learning_rate=1e-2, num_epochs=4, minibatch_size=8, checkpoint_every=100)
+        model, samples, GRPOTrainerConfig(output_dir=str(tmp_path), learning_rate=1e-2, num_iterations=4, minibatch_size=8, checkpoint_every=100)
     )
     after = _mean_logprob(model, positive), _mean_logprob(model, negative)
     assert result.final_step == 12 and len(result.steps) == 12
@@ -163,7 +163,7 @@ def test_resume_refuses_a_different_round(tmp_path):
 def test_keeps_best_k_checkpoints_and_always_the_latest(tmp_path):
     model, _ = _policy()
     config = GRPOTrainerConfig(
-        output_dir=str(tmp_path), learning_rate=1e-2, num_epochs=3, minibatch_size=8, checkpoint_every=1, keep_best=2
+        output_dir=str(tmp_path), learning_rate=1e-2, num_iterations=3, minibatch_size=8, checkpoint_every=1, keep_best=2
     )
     result = train_grpo_round(model, _synthetic_samples(), config)
     assert result.final_step == 9
