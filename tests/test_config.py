@@ -2,6 +2,7 @@
 fields refused naming the new one; one builder of a round's run config."""
 
 import dataclasses
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -162,3 +163,21 @@ def test_a_rounds_run_config_is_written_only_by_round_run_config():
         for n, line in enumerate((REPO / name).read_text().splitlines(), 1) if pattern.search(line)
     ]  # fmt: skip
     assert offenders == []
+
+
+def test_the_sensors_run_config_file_is_read_through_the_builder(tmp_path):
+    from resources.loop import TrainingLoop
+
+    path = tmp_path / "run-config.json"
+    collect = {"ops": {"rollouts": {"config": {"tasks_per_batch": 8}}}}
+    saved = {"trainer": {"learning_rate": 2e-3}, "evaluation": {"max_tasks": 24}}
+    path.write_text(json.dumps({"collect_rollouts_job": collect, "training_round_job": RoundSettings(**saved).run_config()}))
+    loop = TrainingLoop(run_config_path=str(path))
+    assert loop.run_config("collect_rollouts_job") == collect
+    assert loop.run_config("training_round_job") == round_run_config(GRPOTrainerConfig(learning_rate=2e-3), EvaluationConfig(max_tasks=24))
+    # a file saved before the renames: refused when read, naming the file, the job and the new field
+    old = RoundSettings(trainer={"num_iterations": 2}).run_config()
+    old["ops"]["policy_checkpoint"]["config"] = {"num_epochs": 2}
+    path.write_text(json.dumps({"training_round_job": old}))
+    with pytest.raises(ValueError, match=f"(?s){re.escape(str(path))}: training_round_job: .*num_epochs -> num_iterations"):
+        loop.run_config("training_round_job")
