@@ -251,19 +251,20 @@ def test_start_grpo_takes_typed_round_settings_and_submits_the_builders_run_conf
     from flow_assets.training_config import round_run_config
 
     instance = api["instance"]
+    instance.add_dynamic_partitions("log_batches", ["typed"])  # a batch no other test fails the checks of
     before = len(instance.get_runs())
     for config, field, text in [
         ({"trainer": {"num_epochs": 2}}, "config.trainer", "num_epochs -> num_iterations"),
         ({"trainer": {"learning_rte": 0.1}}, "config.trainer.learning_rte", "xtra"),
         ({"ops": {}}, "config", 'send {"trainer"'),
     ]:
-        refused = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["good"], "config": config}).json()["error"]
+        refused = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["typed"], "config": config}).json()["error"]
         assert refused["code"] == INVALID_PARAMS, refused
         (error,) = refused["data"]["errors"]
         assert error["field"] == field and text in error["message"], error
     assert len(instance.get_runs()) == before  # nothing submitted
     config = {"trainer": {"num_iterations": 2, "loss": {"epsilon_high": 0.28}}, "evaluation": {"max_tasks": 16, "modes": ["sampled"]}}
-    job = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["good"], "config": config}).json()["result"]["job_id"]
+    job = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["typed"], "config": config}).json()["result"]["job_id"]
     (run,) = instance.get_runs(RunsFilter(tags={"flowopt/job": job}))
     expected = round_run_config(GRPOTrainerConfig(num_iterations=2, loss=GRPOLossConfig(epsilon_high=0.28)), EvaluationConfig(max_tasks=16, modes=("sampled",)))
     assert run.run_config == expected
