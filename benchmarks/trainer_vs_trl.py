@@ -301,7 +301,7 @@ def flowopt_steps(mode: str, steps: int, warmup: int) -> dict:
         # one step, no checkpoint: the trainer never writes into output_dir here
         config = GRPOTrainerConfig(output_dir="unused-no-checkpoint", learning_rate=setup.learning_rate,
                                    minibatch_size=NUM_PROMPTS * NUM_GENERATIONS, micro_batch_size=setup.micro_batch_size,
-                                   loss=GRPOLossConfig(epsilon=EPSILON, epsilon_high=EPSILON), checkpoint_every=10**9)
+                                   loss=GRPOLossConfig(epsilon=EPSILON, epsilon_high=EPSILON), save_steps=10**9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=0.0)
     collect, train, zero_shares = [], [], []

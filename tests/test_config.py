@@ -77,6 +77,7 @@ def test_a_field_without_a_description_is_refused():
     ("config", "values", "new"),
     [
         (TrainConfig, {"num_epochs": 2}, "num_iterations"),
+        (TrainConfig, {"checkpoint_every": 10}, "save_steps"),
         (TrainConfig, {"loss": {"eps_low": 0.1, "eps_high": 0.28}}, "loss.epsilon_high"),
         (dagster_config(AdvantageConfig), {"scale_by_std": False}, "scale_rewards"),
     ],

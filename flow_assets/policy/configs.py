@@ -154,10 +154,19 @@ class GRPOTrainerConfig:
     """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
 
     Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Names are TRL's ``GRPOConfig`` (and its ``TrainingArguments``) names where TRL has the same
+    setting: ``output_dir``, ``learning_rate``, ``weight_decay``, ``num_iterations``,
+    ``max_steps``, ``max_grad_norm``, ``seed``, ``save_steps``, and in ``loss`` ``epsilon``,
+    ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``. The others have no TRL
+    field of the same meaning: ``minibatch_size`` is TRL's ``per_device_train_batch_size *
+    gradient_accumulation_steps`` (one process), ``micro_batch_size`` its
+    ``per_device_train_batch_size``; ``keep_best`` / ``best_metric`` / ``best_mode`` decide
+    retention (TRL's ``save_total_limit`` keeps the newest, ``metric_for_best_model`` picks the
+    model loaded at the end).
     """
 
     #: old field name -> new one; a saved run config with an old name is refused, naming the new one
-    RENAMED: ClassVar[dict[str, str]] = {"num_epochs": "num_iterations"}
+    RENAMED: ClassVar[dict[str, str]] = {"num_epochs": "num_iterations", "checkpoint_every": "save_steps"}
 
     output_dir: str = field(default="checkpoints", metadata={"description": (
         "where ``checkpoint-<step>/`` directories go.")})
@@ -186,8 +195,8 @@ class GRPOTrainerConfig:
         "the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).")})
     seed: int = field(default=0, metadata={"description": (
         "seeds minibatch order and the torch/numpy/python RNGs at the start of the round.")})
-    checkpoint_every: int = field(default=50, metadata={"description": (
-        "save a checkpoint every this many steps (and always at the last step).")})
+    save_steps: int = field(default=50, metadata={"description": (
+        "save a checkpoint every this many steps, and always at the last step (TRL's ``save_steps``).")})
     keep_best: int = field(default=5, metadata={"description": (
         "number of best checkpoints kept by ``best_metric`` (the latest is kept besides).")})
     best_metric: str = field(default="loss", metadata={"description": (

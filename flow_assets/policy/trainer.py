@@ -28,7 +28,7 @@ Minibatch order: pass ``e`` uses the permutation ``numpy.random.default_rng([see
 function of ``(seed, e)``, so a resumed round sees exactly the minibatches the interrupted one
 would have seen.
 
-Checkpoints (every ``checkpoint_every`` steps and at the last step) go to
+Checkpoints (every ``save_steps`` steps and at the last step) go to
 ``<output_dir>/checkpoint-<step>/``::
 
     adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors)
@@ -161,8 +161,8 @@ class GRPORoundTrainer:
         self.config = config or GRPOTrainerConfig()
         self.ref_model = ref_model
         c = self.config
-        if c.minibatch_size < 1 or c.num_iterations < 1 or c.checkpoint_every < 1 or c.keep_best < 1:
-            raise ValueError("minibatch_size, num_iterations, checkpoint_every and keep_best must be >= 1")
+        if c.minibatch_size < 1 or c.num_iterations < 1 or c.save_steps < 1 or c.keep_best < 1:
+            raise ValueError("minibatch_size, num_iterations, save_steps and keep_best must be >= 1")
         if c.micro_batch_size is not None and c.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1 (or None)")
         if c.best_metric not in {f.name for f in dataclasses.fields(StepMetrics)}:
@@ -238,7 +238,7 @@ class GRPORoundTrainer:
             metrics = self._train_step(self.step + 1)
             self.step = metrics.step
             self.history.append(metrics)
-            saved = self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps
+            saved = self.step % self.config.save_steps == 0 or self.step == self.total_steps
             if saved:
                 self.save_checkpoint()
             if on_step is not None:
@@ -350,7 +350,7 @@ class GRPORoundTrainer:
 
     def _retention_metric(self) -> float:
         """Mean of ``best_metric`` over the steps since the previous checkpoint."""
-        previous = (self.step - 1) // self.config.checkpoint_every * self.config.checkpoint_every
+        previous = (self.step - 1) // self.config.save_steps * self.config.save_steps
         window = [m for m in self.history if m.step > previous] or self.history[-1:]
         return float(np.mean([getattr(m, self.config.best_metric) for m in window]))
 
