@@ -15,12 +15,14 @@ arguments) gives the dataclass back; an asset adds only the fields that are not 
 way, from a dataclass to the run-config values that differ from its defaults (the builders of run
 configs, e.g. :func:`flow_assets.training_config.round_run_config`, use it).
 
-Why generated classes rather than pydantic models as the pure configs: Dagster's ``Config`` fields
-must be Dagster-resolvable types, and a nested config must itself subclass ``Config`` (Dagster's
-"Advanced config types" guide nests ``Config`` classes); the pure modules (``rl/``, ``policy/``,
-``workflows/``) must not import Dagster, and their dataclasses are compared, hashed and
-``dataclasses.replace``-d by the training code. Generating the ``Config`` side from the dataclass
-keeps the pure side free of Dagster with one declaration per field.
+Why generated classes rather than frozen pydantic models as the pure configs: a ``Config`` field
+must be a Dagster-resolvable type, and a nested model must itself subclass ``Config`` (Dagster's
+"Advanced config types" guide nests ``Config`` classes; with Dagster 1.13.27 a plain pydantic
+``BaseModel`` field fails with ``DagsterInvalidConfigDefinitionError: ... cannot be resolved``,
+"Custom data classes extending dagster.Config"), so pydantic pure configs would have to import
+Dagster, which the pure modules (``rl/``, ``policy/``, ``workflows/``) must not; and the training
+code compares, hashes and ``dataclasses.replace``-s them. Generating the ``Config`` side from the
+dataclass keeps the pure side free of Dagster with one declaration per field.
 
 Renamed fields: a dataclass may declare ``RENAMED: ClassVar[dict[str, str]]`` (old name -> new
 name). A run config that still uses an old name is refused with a ``ValueError`` that names the
