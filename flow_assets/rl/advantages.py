@@ -195,7 +195,7 @@ def pooled_advantages(
     """A batch's advantages: its trajectories grouped by ``task_id``, within the batch or across
     its source (:func:`pool_groups`), each labelled one normalised in its group by
     :func:`group_advantages` (GRPO, Shao et al. 2024, DeepSeekMath eq. 3; Dr. GRPO, Liu et al.
-    2025, with ``scale_by_std=False``). Trajectories without a reward (unlabelled, or dropped by
+    2025, with ``scale_rewards=False``). Trajectories without a reward (unlabelled, or dropped by
     the judge) stay out of every group's statistics and keep a null advantage: no gradient.
 
     Args:
