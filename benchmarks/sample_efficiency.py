@@ -166,7 +166,7 @@ def grpo_round(policy, tokenizer, source, train, held_out, k: int, seed: int, wo
     batch = [train[((k - 1) * TASKS_PER_ROUND + i) % len(train)] for i in range(TASKS_PER_ROUND)]
     samples, mean_reward, zero_share = collect(policy, tokenizer, source, batch, seed=seed * 100_000 + k)
     train_grpo_round(policy, samples, GRPOTrainerConfig(output_dir=f"{work}/round-{k}", minibatch_size=64,
-                                                        seed=seed * 1000 + k, checkpoint_every=10**9))
+                                                        seed=seed * 1000 + k, save_steps=10**9))
     seconds = time.perf_counter() - started
     return {
         "round": k,

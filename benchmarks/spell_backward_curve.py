@@ -203,11 +203,11 @@ def run(args, work: Path, source, train: list[Task], held_out: list[Task], demos
             GRPOTrainerConfig(
                 output_dir=str(work / f"round-{k}"),
                 learning_rate=args.lr,
-                num_epochs=args.epochs,
+                num_iterations=args.epochs,
                 minibatch_size=args.minibatch,
                 loss=GRPOLossConfig(beta=args.beta),
                 seed=args.seed * 1000 + k,
-                checkpoint_every=10_000,  # only the final checkpoint of the round
+                save_steps=10_000,  # only the final checkpoint of the round
             ),
         )
         adapter_dir = save_lora_adapter(policy, work / f"adapter-{k}")

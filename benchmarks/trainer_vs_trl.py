@@ -248,7 +248,7 @@ def full_finetune_step(model, optimizer, samples, pad_id: int) -> float:
     for i, s in enumerate(samples):
         logp_old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
     advantages = torch.tensor([s.advantage for s in samples])  # [batch]
-    out = grpo_loss(logp_new, logp_old, advantages, mask, None, GRPOLossConfig(eps_low=EPSILON, eps_high=EPSILON))
+    out = grpo_loss(logp_new, logp_old, advantages, mask, None, GRPOLossConfig(epsilon=EPSILON, epsilon_high=EPSILON))
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
@@ -301,7 +301,7 @@ def flowopt_steps(mode: str, steps: int, warmup: int) -> dict:
         # one step, no checkpoint: the trainer never writes into output_dir here
         config = GRPOTrainerConfig(output_dir="unused-no-checkpoint", learning_rate=setup.learning_rate,
                                    minibatch_size=NUM_PROMPTS * NUM_GENERATIONS, micro_batch_size=setup.micro_batch_size,
-                                   loss=GRPOLossConfig(eps_low=EPSILON, eps_high=EPSILON), checkpoint_every=10**9)
+                                   loss=GRPOLossConfig(epsilon=EPSILON, epsilon_high=EPSILON), save_steps=10**9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=0.0)
     collect, train, zero_shares = [], [], []

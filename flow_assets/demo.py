@@ -42,6 +42,7 @@ from flow_assets.rl.evaluation import compare_policies
 from flow_assets.rounds import EvaluationConfig, evaluate_agents, read_evaluation, read_round_summary
 from flow_assets.settings import Settings
 from flow_assets.summary import batch_summary, source_summary
+from flow_assets.training_config import TRAINING_JOB, RoundSettings
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
@@ -213,6 +214,8 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     champion, mean reward of the batch, LLM and tool calls per collected rollout, and seconds
     split into generation (the agents' work through the gateway, collection and evaluation),
     training and the rest (Dagster runs, sensor ticks, model loading, lake I/O).
+    ``train_config`` / ``eval_config`` hold fields of ``policy_checkpoint`` / ``evaluation_report``;
+    :class:`~flow_assets.training_config.RoundSettings` validates them and builds the run config.
     """
     started = time.perf_counter()
     collected = run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"rollouts": {"config": collect_config}}})
@@ -227,8 +230,8 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     save_cursor(instance, train_tick.cursor)
     if [r.partition_key for r in train_tick.run_requests] != [key]:
         raise RuntimeError(f"round {round_index}: training sensor did not request batch {key}")
-    run_config = {"ops": {"policy_checkpoint": {"config": train_config or {}}, "evaluation_report": {"config": eval_config or {}}}}
-    run_job(defs, instance, "training_round_job", partition_key=key, run_config=run_config)
+    run_config = RoundSettings(trainer=train_config or {}, evaluation=eval_config or {}).run_config()
+    run_job(defs, instance, TRAINING_JOB, partition_key=key, run_config=run_config)
     run_job(defs, instance, "training_history_job")  # what training_history_sensor asks for after each round
     run_dir = models_root / "runs" / key
     summary, evaluation = read_round_summary(run_dir), read_evaluation(run_dir)
@@ -341,7 +344,7 @@ class Phase:
         return {
             "base_policy_job": {"ops": {"base_policy": {"config": self.base}}},
             "collect_rollouts_job": {"ops": {"rollouts": {"config": self.collect}}},
-            "training_round_job": {"ops": {"policy_checkpoint": {"config": self.train or {}}, "evaluation_report": {"config": self.evaluation}}},
+            TRAINING_JOB: RoundSettings(trainer=self.train or {}, evaluation=self.evaluation).run_config(),
         }
 
 

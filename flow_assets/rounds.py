@@ -144,23 +144,20 @@ def register_identity_adapter(store: PolicyStore, registry: Registry, by: str, r
 class CollectConfig:
     """One collection: the champion's agents work on ``tasks_per_batch`` train tasks, ``group_size`` each.
 
-    Attributes:
-        tasks_per_batch: train tasks per batch, drawn without replacement.
-        group_size: agents (rollouts) per task, the GRPO group size G.
-        temperature: sampling temperature imposed on every call of the rollouts.
-        top_p: nucleus threshold imposed on every call.
-        seed: base seed; the batch number is added to it (task choice and sampling seeds).
-        concurrency: agents running at once.
-        timeout_s: an agent running longer is cancelled (an error rollout), seconds.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    tasks_per_batch: int = 512
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    concurrency: int = 256
-    timeout_s: float = 120.0
+    tasks_per_batch: int = field(default=512, metadata={"description": (
+        "train tasks per batch, drawn without replacement.")})
+    group_size: int = field(default=8, metadata={"description": "agents (rollouts) per task, the GRPO group size G."})
+    temperature: float = field(default=1.0, metadata={"description": (
+        "sampling temperature imposed on every call of the rollouts.")})
+    top_p: float = field(default=1.0, metadata={"description": "nucleus threshold imposed on every call."})
+    seed: int = field(default=0, metadata={"description": (
+        "base seed; the batch number is added to it (task choice and sampling seeds).")})
+    concurrency: int = field(default=256, metadata={"description": "agents running at once."})
+    timeout_s: float = field(default=120.0, metadata={"description": (
+        "an agent running longer is cancelled (an error rollout), seconds.")})
 
 
 @dataclass(frozen=True)
@@ -362,7 +359,7 @@ def train_candidate(
         RoundError: no champion, or the batch holds no trainable turn of ``agent_id``.
     """
     from flow_assets.policy.lora import save_lora_adapter
-    from flow_assets.policy.trainer import CheckpointMismatch, config_to_dict, train_grpo_round
+    from flow_assets.policy.trainer import CheckpointMismatch, train_grpo_round
 
     samples = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
     if not samples:
@@ -410,7 +407,7 @@ def train_candidate(
         reward_std=float(advantages["reward"].std() or 0.0),
         zero_variance_share=float(groups["zero_variance"].mean()),
         negate_advantages=negate_advantages,
-        config=config_to_dict(config),
+        config=config.to_dict(),
     )
     write_round_summary(summary, run_dir)
     return summary, result.steps
@@ -421,24 +418,21 @@ def train_candidate(
 class EvaluationConfig:
     """Held-out evaluation and the promotion gate's thresholds.
 
-    Attributes:
-        max_tasks: held-out tasks evaluated (the first N, fixed order).
-        concurrency: agents running at once (per policy and mode; four run side by side).
-        timeout_s: an agent running longer counts as a failure, seconds.
-        modes: ``greedy`` (T = 0) and / or ``sampled`` (T = ``sampled_temperature``); the gate's
-            metric must be one.
-        sampled_temperature: the temperature of the ``sampled`` mode; 1 (the policy's own
-            distribution) by default; a small real model is usually served cooler (the
-            real-model demo evaluates and collects at 0.7).
-        gate: the promotion gate's thresholds.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    max_tasks: int = 500
-    concurrency: int = 128
-    timeout_s: float = 120.0
-    modes: tuple[Literal["greedy", "sampled"], ...] = ("greedy", "sampled")
-    sampled_temperature: float = 1.0
-    gate: GateConfig = field(default_factory=GateConfig)
+    max_tasks: int = field(default=500, metadata={"description": (
+        "held-out tasks evaluated (the first N, fixed order).")})
+    concurrency: int = field(default=128, metadata={"description": (
+        "agents running at once (per policy and mode; four run side by side).")})
+    timeout_s: float = field(default=120.0, metadata={"description": (
+        "an agent running longer counts as a failure, seconds.")})
+    modes: tuple[Literal["greedy", "sampled"], ...] = field(default=("greedy", "sampled"), metadata={"description": (
+        "``greedy`` (T = 0) and / or ``sampled`` (T = ``sampled_temperature``); the gate's metric must be one.")})
+    sampled_temperature: float = field(default=1.0, metadata={"description": (
+        "the temperature of the ``sampled`` mode; 1 (the policy's own distribution) by default; a small real model is "
+        "usually served cooler (the real-model demo evaluates and collects at 0.7).")})
+    gate: GateConfig = field(default_factory=GateConfig, metadata={"description": "the promotion gate's thresholds."})
 
     def __post_init__(self) -> None:
         if not self.modes or set(self.modes) - set(MODES):

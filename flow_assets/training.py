@@ -8,8 +8,9 @@
     training_round_job  (per batch, pool "training"):
         policy_checkpoint -> evaluation_report (+ blocking checks) -> promoted_adapter
 
-Every run config is generated from the pure config of its component (:mod:`flow_assets.config`),
-so defaults and descriptions live in one place.
+Every run config is generated from the pure config of its component (:mod:`flow_assets.config`,
+:mod:`flow_assets.training_config`), so defaults and descriptions live in one place; a round's run
+config is built by :func:`flow_assets.training_config.round_run_config`.
 """
 
 import json
@@ -36,7 +37,6 @@ from dagster import (
 from pydantic import Field
 
 from flow_assets.champion import CHAMPION, CHAMPION_DESCRIPTION, champion_materialization
-from flow_assets.config import dagster_config
 from flow_assets.data_checks import failed_data_checks
 from flow_assets.data_plane import advantages
 from flow_assets.history import COLUMNS as HISTORY_COLUMNS
@@ -44,17 +44,15 @@ from flow_assets.history import history_chart, vega_lite_spec
 from flow_assets.history import training_history as training_history_table
 from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
-from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig
 from flow_assets.api.jobs import PAUSED_TAG, pause_requested
 from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
 from flow_assets.versions import TRAINING_OWNERS, code_version
 from flow_assets.logs.landing import key_round
+from flow_assets.training_config import CollectRunConfig, EvaluationRunConfig, SFTRunConfig, TinyModelRunConfig, TrainConfig
 from flow_assets.rounds import (
-    CollectConfig,
     build_base_policy,
     register_identity_adapter,
-    EvaluationConfig,
     RoundError,
     collect_batch,
     evaluate_candidate,
@@ -77,13 +75,6 @@ TRACKED_STEP_METRICS = ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl"
 #: run tag with the gate's one-line verdict ("promote: ..." or "keep v15 (blocked: ...)")
 GATE_TAG = "flowopt/gate"
 POOL = "training"  # dagster.yaml: pools default_limit 1, granularity run -> one round at a time
-
-TinyModelRunConfig = dagster_config(TinyModelConfig, "TinyModelRunConfig")
-SFTRunConfig = dagster_config(SFTConfig, "SFTRunConfig")
-CollectRunConfig = dagster_config(CollectConfig, "CollectRunConfig")
-TrainerRunConfig = dagster_config(GRPOTrainerConfig, "TrainerRunConfig", exclude=("output_dir",))
-EvaluationRunConfig = dagster_config(EvaluationConfig, "EvaluationRunConfig")
-
 
 # -- base policy ----------------------------------------------------------------------------------
 class BasePolicyConfig(Config):
@@ -175,13 +166,6 @@ def rollouts(
 
 
 # -- training round -------------------------------------------------------------------------------
-class TrainConfig(TrainerRunConfig):
-    """GRPO round settings (the trainer's, stored with every checkpoint), and a test switch."""
-
-    negate_advantages: bool = Field(False, description="train AGAINST the advantages (tests the gate)")
-    kl_samples: int | None = Field(256, description="turn rows the gate's KL to the behaviour policy is estimated on (null: all)")
-
-
 def _check_job_budget(context: AssetExecutionContext, lake: TrajectoryLake) -> None:
     """A round of an API job (run tags ``flowopt/job``, ``flowopt/job_budget_usd``) starts only
     while its agent's spend this month is under the job's budget; otherwise the run fails with the
@@ -217,7 +201,7 @@ def policy_checkpoint(
     GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
     Each step is logged to the run log and, when set, to the experiment tracker."""
     # the trainer (torch) loads with the run that trains, not with the code location
-    from flow_assets.policy.trainer import TrainingPaused, config_to_dict
+    from flow_assets.policy.trainer import TrainingPaused
 
     key = context.partition_key
     # the sensor and the API refuse such a batch; a round launched from the UI or the CLI must too
@@ -225,9 +209,9 @@ def policy_checkpoint(
         raise Failure(f"batch {key!r} failed its blocking data checks {failed}: not trained (fix its logs and re-materialise advantages)")
     _check_job_budget(context, lake)
     tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
-    trainer = config.to_pure(output_dir="")
+    trainer = config.to_pure()
     tracker = tracking.open(tasks.agent_id, key)
-    tracker.log_params(flat_params({"trainer": config_to_dict(trainer), "negate_advantages": config.negate_advantages}))
+    tracker.log_params(flat_params({"trainer": trainer.to_dict(), "negate_advantages": config.negate_advantages}))
 
     job = context.run.tags.get("flowopt/job")
 

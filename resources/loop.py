@@ -9,6 +9,8 @@ from typing import Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flow_assets.training_config import TRAINING_JOB, round_settings
+
 #: the jobs whose runs the sensors launch, i.e. the keys a run-config file may have
 LOOP_JOBS = ("base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job")
 
@@ -23,7 +25,11 @@ class TrainingLoop(ConfigurableResource):
             done. 0 (the default): off; batches then come only from logs that land.
         run_config_path: a JSON file ``{job name: run config}`` (keys from :data:`LOOP_JOBS`)
             that the sensors attach to the runs they request, e.g. the gate's ``max_tasks`` or
-            the trainer's learning rate; ``None``: every job's defaults.
+            the trainer's learning rate; ``None``: every job's defaults. Its
+            ``training_round_job`` entry is read back through
+            :func:`flow_assets.training_config.round_settings` and rebuilt by
+            :func:`~flow_assets.training_config.round_run_config`, so a wrong or renamed field is
+            refused when the file is read, naming the file.
     """
 
     self_play_rounds: int = Field(0, description="rounds self_play_sensor runs on its own (0: off)")
@@ -33,8 +39,9 @@ class TrainingLoop(ConfigurableResource):
         """The run config for ``job_name`` from :attr:`run_config_path` (``{}`` when none).
 
         Raises:
-            ValueError: the file is not a JSON object of known job names to objects (names the
-                file and the key).
+            ValueError: the file is not a JSON object of known job names to objects, or its
+                ``training_round_job`` entry holds settings the round refuses (names the file and
+                the key).
             OSError: the file cannot be read.
         """
         if not self.run_config_path:
@@ -51,4 +58,9 @@ class TrainingLoop(ConfigurableResource):
                 raise ValueError(f"{path}: unknown job {key!r} (known: {', '.join(LOOP_JOBS)})")
             if not isinstance(value, dict):
                 raise ValueError(f"{path}: the run config of {key!r} must be an object")
+        if job_name == TRAINING_JOB and job_name in content:
+            try:
+                return round_settings(content[job_name]).run_config()
+            except ValueError as exc:
+                raise ValueError(f"{path}: {job_name}: {exc}") from None
         return content.get(job_name, {})

@@ -24,7 +24,7 @@ def test_grpo_advantage_matches_hand_computation():
 
 
 def test_dr_grpo_does_not_scale_by_std():
-    out = group_advantages(_rewards({"t": [1, 0, 0, 0]}), AdvantageConfig(scale_by_std=False))
+    out = group_advantages(_rewards({"t": [1, 0, 0, 0]}), AdvantageConfig(scale_rewards=False))
     assert out["advantage"].to_list() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
@@ -145,7 +145,7 @@ def test_a_batch_is_grouped_by_task_with_unlabelled_rows_last_and_without_advant
     assert out["group_size"].to_list()[:5] == [2, 2, 1, 2, 2]  # the unlabelled f is not in t1's group
     assert out["group_std"][2] is None  # a group of one has no sample std
     assert "batch" not in out.columns and out.columns[:4] == own.columns
-    unscaled = pooled_advantages(own, "b1", AdvantageConfig(scale_by_std=False))  # Dr. GRPO
+    unscaled = pooled_advantages(own, "b1", AdvantageConfig(scale_rewards=False))  # Dr. GRPO
     assert unscaled["advantage"].to_list()[:5] == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])
 
 

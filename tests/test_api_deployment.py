@@ -36,10 +36,8 @@ BASE = {"ops": {"base_policy": {"config": {"sft": {"steps": 40}, "sft_demonstrat
 COLLECT = {"ops": {"rollouts": {"config": {"tasks_per_batch": 8, "group_size": 4}}}}
 # several optimizer steps (so a pause lands mid-round) and a short, open-gated evaluation
 ROUND = {
-    "ops": {
-        "policy_checkpoint": {"config": {"num_epochs": 4, "checkpoint_every": 100}},
-        "evaluation_report": {"config": {"max_tasks": 16, "modes": ["sampled"], "gate": {"min_gain": -1.0, "max_kl": 1e9}}},
-    }
+    "trainer": {"num_iterations": 4, "save_steps": 100},
+    "evaluation": {"max_tasks": 16, "modes": ["sampled"], "gate": {"min_gain": -1.0, "max_kl": 1e9}},
 }
 
 

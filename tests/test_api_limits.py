@@ -29,6 +29,7 @@ from dagster import (
     DagsterRun,
     DagsterRunStatus,
     DynamicPartitionsDefinition,
+    RunsFilter,
     MaterializeResult,
     asset,
     instance_for_test,
@@ -241,3 +242,30 @@ def test_start_grpo_and_resume_refuse_a_batch_whose_blocking_checks_failed_as_th
     assert again["code"] == INVALID_STATE and "'good'" in again["message"] and again["data"]["checks"] == ["advantages_finite"]
     status = rpc(api, "training.get_status", {"job_id": job}).json()["result"]
     assert status["state"] == "paused" and [r["attempt"] for r in status["rounds"]] == [1]  # nothing resubmitted
+
+
+def test_start_grpo_takes_typed_round_settings_and_submits_the_builders_run_config(api):
+    from flow_assets.policy.configs import GRPOTrainerConfig
+    from flow_assets.rl.grpo_config import GRPOLossConfig
+    from flow_assets.rounds import EvaluationConfig
+    from flow_assets.training_config import round_run_config
+
+    instance = api["instance"]
+    instance.add_dynamic_partitions("log_batches", ["typed"])  # a batch no other test fails the checks of
+    before = len(instance.get_runs())
+    for config, field, text in [
+        ({"trainer": {"num_epochs": 2}}, "config.trainer", "num_epochs -> num_iterations"),
+        ({"trainer": {"learning_rte": 0.1}}, "config.trainer.learning_rte", "xtra"),
+        ({"ops": {}}, "config", 'send {"trainer"'),
+    ]:
+        refused = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["typed"], "config": config}).json()["error"]
+        assert refused["code"] == INVALID_PARAMS, refused
+        (error,) = refused["data"]["errors"]
+        assert error["field"] == field and text in error["message"], error
+    assert len(instance.get_runs()) == before  # nothing submitted
+    config = {"trainer": {"num_iterations": 2, "loss": {"epsilon_high": 0.28}}, "evaluation": {"max_tasks": 16, "modes": ["sampled"]}}
+    job = rpc(api, "training.start_grpo", {"agent_id": "a", "log_batches": ["typed"], "config": config}).json()["result"]["job_id"]
+    (run,) = instance.get_runs(RunsFilter(tags={"flowopt/job": job}))
+    expected = round_run_config(GRPOTrainerConfig(num_iterations=2, loss=GRPOLossConfig(epsilon_high=0.28)), EvaluationConfig(max_tasks=16, modes=("sampled",)))
+    assert run.run_config == expected
+    rpc(api, "training.cancel", {"job_id": job})

@@ -1,6 +1,6 @@
 """The clipped GRPO surrogate against a hand-computed 2x3 example.
 
-The example (eps_low = eps_high = 0.2), with d = logp_new - logp_old::
+The example (epsilon = epsilon_high = 0.2), with d = logp_new - logp_old::
 
     row 0, A = +1:  d = [ 0.0,  0.5, -0.3]            mask = [1, 1, 1]
     row 1, A = -2:  d = [-0.5,  0.0, -1.0]            mask = [1, 1, 0]

@@ -51,7 +51,7 @@ def _resume_round(out_dir: str, max_steps: int = 12):
     """The round the SIGKILL test runs: same model, samples and config in every process."""
     model, _ = _policy()
     config = GRPOTrainerConfig(
-        output_dir=out_dir, learning_rate=1e-2, num_epochs=100, minibatch_size=8, max_steps=max_steps, checkpoint_every=2, seed=3
+        output_dir=out_dir, learning_rate=1e-2, num_iterations=100, minibatch_size=8, max_steps=max_steps, save_steps=2, seed=3
     )
     return model, _synthetic_samples(), config
 
@@ -73,7 +73,7 @@ def test_round_moves_policy_in_the_direction_of_the_advantages(tmp_path):
     negative = [s for s in samples if s.advantage < 0]
     before = _mean_logprob(model, positive), _mean_logprob(model, negative)
     result = train_grpo_round(
-        model, samples, GRPOTrainerConfig(output_dir=str(tmp_path), learning_rate=1e-2, num_epochs=4, minibatch_size=8, checkpoint_every=100)
+        model, samples, GRPOTrainerConfig(output_dir=str(tmp_path), learning_rate=1e-2, num_iterations=4, minibatch_size=8, save_steps=100)
     )
     after = _mean_logprob(model, positive), _mean_logprob(model, negative)
     assert result.final_step == 12 and len(result.steps) == 12
@@ -163,11 +163,11 @@ def test_resume_refuses_a_different_round(tmp_path):
 def test_keeps_best_k_checkpoints_and_always_the_latest(tmp_path):
     model, _ = _policy()
     config = GRPOTrainerConfig(
-        output_dir=str(tmp_path), learning_rate=1e-2, num_epochs=3, minibatch_size=8, checkpoint_every=1, keep_best=2
+        output_dir=str(tmp_path), learning_rate=1e-2, num_iterations=3, minibatch_size=8, save_steps=1, keep_best=2
     )
     result = train_grpo_round(model, _synthetic_samples(), config)
     assert result.final_step == 9
-    losses = {m.step: m.loss for m in result.steps}  # checkpoint_every=1: the metric is that step's loss
+    losses = {m.step: m.loss for m in result.steps}  # save_steps=1: the metric is that step's loss
     best_two = sorted(losses, key=losses.get)[:2]
     kept = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
     assert kept == sorted(set(best_two) | {9})
@@ -213,7 +213,7 @@ def test_a_pause_after_a_step_checkpoints_it_and_resume_ends_where_an_uninterrup
     from flow_assets.policy.trainer import TrainingPaused
 
     out = tmp_path / "round"
-    model, samples, config = _resume_round(str(out), max_steps=7)  # checkpoint_every=2: step 3 has none of its own
+    model, samples, config = _resume_round(str(out), max_steps=7)  # save_steps=2: step 3 has none of its own
 
     def pause_at_3(m):
         if m.step == 3:

@@ -22,6 +22,7 @@ from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 from flow_assets.definitions import build_definitions
 from flow_assets.local import execute_requests, run_job, tick_sensor
 from flow_assets.rounds import EvaluationResult, RoundSummary, read_evaluation, read_round_summary
+from flow_assets.training_config import RoundSettings
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
@@ -83,7 +84,7 @@ class World:
         return [r.partition_key for r in tick.run_requests]
 
     def train(self, key: str, train: dict | None = None, evaluation: dict | None = None):
-        config = {"ops": {"policy_checkpoint": {"config": train or {}}, "evaluation_report": {"config": {**EVAL, **(evaluation or {})}}}}
+        config = RoundSettings(trainer=train or {}, evaluation={**EVAL, **(evaluation or {})}).run_config()
         return self.run("training_round_job", partition_key=key, run_config=config)
 
     def round_files(self, key: str) -> tuple[RoundSummary, EvaluationResult]:
@@ -151,7 +152,7 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
     key = world.collect()
     assert world.training_requests() == [key]
     # trained AGAINST its advantages, hard: the candidate must get worse and be refused
-    result = world.train(key, train={"negate_advantages": True, "learning_rate": 0.02, "num_epochs": 4})
+    result = world.train(key, train={"negate_advantages": True, "learning_rate": 0.02, "num_iterations": 4})
     assert not result.success
     summary, evaluation = world.round_files(key)
     assert summary.negate_advantages is True
@@ -296,7 +297,7 @@ def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tm
         tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
         (key,) = tick.succeeded
         assert [r.partition_key for r in tick_sensor(defs, instance, "training_round_sensor").run_requests] == [key]
-        config = {"ops": {"evaluation_report": {"config": {"max_tasks": 24, **OPEN_GATE}}}}
+        config = RoundSettings(evaluation={"max_tasks": 24, **OPEN_GATE}).run_config()
         result = run_job(defs, instance, "training_round_job", key, config)
         assert result.success, failure(result)
     lake = TrajectoryLake(root=str(tmp_path / "lake"))
@@ -359,7 +360,7 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
     service = JobService(world.instance, submit, lambda ids: None, lambda: {key})
     # three epochs: a round of several optimizer steps, so the pause after step 1 is mid-round
     # the gate refuses every candidate (KL bound 0): the champion stays, and a blocked round is a done round
-    config = {"ops": {"policy_checkpoint": {"config": {"num_epochs": 3}}, "evaluation_report": {"config": {**EVAL, "gate": {"min_gain": -1.0, "max_kl": 0.0}}}}}
+    config = {"trainer": {"num_iterations": 3}, "evaluation": {**EVAL, "gate": {"min_gain": -1.0, "max_kl": 0.0}}}
     status = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config=config))
     job = JobParams(job_id=status["job_id"])
     assert status["state"] == "paused" and status["rounds"][0]["paused"] == "after step 1", status
@@ -371,10 +372,10 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
     assert summary.resumed_from == 1 and summary.final_step > 1
     # another job on the same batch, from the same champion, with other settings is another
     # round: it starts afresh (it used to fail on the trainer's "saved config differs")
-    again = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config={**config, "ops": {**config["ops"], "policy_checkpoint": {"config": {"num_epochs": 1}}}}))
+    again = service.start_grpo(StartGrpoParams(agent_id="spell", log_batches=[key], config={**config, "trainer": {"num_iterations": 1}}))
     assert again["state"] == "completed", again
     summary, _ = world.round_files(key)
-    assert summary.resumed_from is None and summary.config["num_epochs"] == 1
+    assert summary.resumed_from is None and summary.config["num_iterations"] == 1
     with pytest.raises(RpcError) as refused:
         service.pause(job)
     assert refused.value.code == INVALID_STATE

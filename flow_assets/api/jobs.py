@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 
 from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError, scrub_paths
 from flow_assets.data_checks import failed_data_checks
+from flow_assets.training_config import TRAINING_JOB, RoundSettings
 
 JOB_TAG = "flowopt/job"
 AGENT_TAG = "flowopt/job_agent"
@@ -92,7 +93,6 @@ def round_status(run) -> DagsterRunStatus:
     return run.status
 
 
-TRAINING_JOB = "training_round_job"
 EVALUATION_JOB = "adapter_evaluation_job"
 
 _QUEUED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
@@ -102,11 +102,12 @@ _FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatu
 
 class StartGrpoParams(BaseModel):
     """``training.start_grpo``: train ``agent_id``'s policy on ``log_batches`` (partition keys, in
-    order, one round each), with run-config ``config`` overrides of the training round."""
+    order, one round each), with the round's settings ``config`` (``{"trainer": {...},
+    "evaluation": {...}}``, :class:`~flow_assets.training_config.RoundSettings`; defaults where left out)."""
 
     agent_id: str = Field(min_length=1, max_length=200)
     log_batches: list[str] = Field(min_length=1, max_length=1000)
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: RoundSettings = Field(default_factory=RoundSettings)
     budget_usd: float | None = Field(None, gt=0, description="the agent's monthly budget for this job (default FLOWOPT_MONTHLY_BUDGET_USD, 100)")
 
 
@@ -226,9 +227,10 @@ class JobService:
                 raise RpcError(BUDGET_EXCEEDED, f"budget exceeded: {params.agent_id!r} spent USD {spent.total_usd:.2f} of {budget:.2f} in {spent.month}",
                                {"spend": spent.as_dict(), "budget_usd": budget})  # fmt: skip
         job_id = "job-" + uuid.uuid4().hex[:12]
+        run_config = params.config.run_config()
         for i, key in enumerate(params.log_batches, start=1):
             tags = {"dagster/partition": key, JOB_TAG: job_id, AGENT_TAG: params.agent_id, ROUND_TAG: str(i), BUDGET_TAG: repr(budget)}
-            self._submit(TRAINING_JOB, params.config or None, tags)
+            self._submit(TRAINING_JOB, run_config, tags)
         return self.get_status(JobParams(job_id=job_id))
 
     def get_status(self, params: JobParams) -> dict[str, Any]:

@@ -11,8 +11,10 @@ loads the code location first.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from flow_assets.rl.grpo_config import GRPOLossConfig
 
@@ -75,59 +77,50 @@ class Rollout:
 class TinyModelConfig:
     """Size and initialisation of the tiny policy.
 
-    Attributes:
-        hidden_size: width of the residual stream (model dimension).
-        intermediate_size: width of the SwiGLU MLP.
-        num_hidden_layers: number of decoder blocks.
-        num_attention_heads: attention heads per block (``hidden_size`` must divide by it); key/value
-            heads are the same number (no grouped-query attention at this size).
-        max_position_embeddings: longest sequence in tokens (prompt + completion); also written into
-            the tokenizer as ``model_max_length``. 128 holds a two-turn tool conversation of the
-            built-in calculator agent (~60 characters) with room to spare; rotary positions
-            have no parameters, so the size costs nothing until it is used.
-        rope_theta: rotary embedding base.
-        initializer_range: std of the normal initialisation of the weights.
-        tie_word_embeddings: share the input embedding and the output head (fewer parameters).
-        seed: seed of the weight initialisation; same config + seed gives bit-identical weights.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 8
-    max_position_embeddings: int = 128
-    rope_theta: float = 10000.0
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = True
-    seed: int = 0
+    hidden_size: int = field(default=128, metadata={"description": "width of the residual stream (model dimension)."})
+    intermediate_size: int = field(default=256, metadata={"description": "width of the SwiGLU MLP."})
+    num_hidden_layers: int = field(default=2, metadata={"description": "number of decoder blocks."})
+    num_attention_heads: int = field(default=8, metadata={"description": (
+        "attention heads per block (``hidden_size`` must divide by it); key/value heads are the same number (no "
+        "grouped-query attention at this size).")})
+    max_position_embeddings: int = field(default=128, metadata={"description": (
+        "longest sequence in tokens (prompt + completion); also written into the tokenizer as ``model_max_length``. "
+        "128 holds a two-turn tool conversation of the built-in calculator agent (~60 characters) with room to spare; "
+        "rotary positions have no parameters, so the size costs nothing until it is used.")})
+    rope_theta: float = field(default=10000.0, metadata={"description": "rotary embedding base."})
+    initializer_range: float = field(default=0.02, metadata={"description": (
+        "std of the normal initialisation of the weights.")})
+    tie_word_embeddings: bool = field(default=True, metadata={"description": (
+        "share the input embedding and the output head (fewer parameters).")})
+    seed: int = field(default=0, metadata={"description": (
+        "seed of the weight initialisation; same config + seed gives bit-identical weights.")})
 
 
 @dataclass(frozen=True)
 class SFTConfig:
     """Settings of the supervised warm start.
 
-    Attributes:
-        steps: optimizer steps. With raw prompts (``"neon="``), 150 steps of 64 on 1000
-            spell_backward demonstrations gave held-out success 30-53% at temperature 1 over six
-            seeds (greedy 42-64%). Rendered with the compact chat template (``U:neon=\\nA:``, as
-            the gateway serves it) the same 150 steps solve far more (measured, seeds 0 / 1:
-            sampled 0.95 / 0.92, greedy 0.99 / 0.97; 60 steps: 0.67 / 0.34 sampled), so the demo
-            warm-starts spell_backward with 50 steps to leave GRPO room.
-        learning_rate: AdamW learning rate (constant); 3e-3 suits a freshly initialised tiny model.
-        batch_size: demonstrations per step; the data are reshuffled every pass (epoch). 64 rather
-            than 32 made the warm start much less seed-dependent on the tiny model.
-        weight_decay: AdamW decoupled weight decay.
-        max_grad_norm: gradients are clipped to this global L2 norm.
-        seed: seeds the minibatch order (numpy ``Generator``); same inputs + config give the same
-            model.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    steps: int = 150
-    learning_rate: float = 3e-3
-    batch_size: int = 64
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
+    steps: int = field(default=150, metadata={"description": (
+        "optimizer steps. With raw prompts (``\"neon=\"``), 150 steps of 64 on 1000 spell_backward demonstrations gave "
+        "held-out success 30-53% at temperature 1 over six seeds (greedy 42-64%). Rendered with the compact chat "
+        "template (``U:neon=\\nA:``, as the gateway serves it) the same 150 steps solve far more (measured, seeds 0 / "
+        "1: sampled 0.95 / 0.92, greedy 0.99 / 0.97; 60 steps: 0.67 / 0.34 sampled), so the demo warm-starts "
+        "spell_backward with 50 steps to leave GRPO room.")})
+    learning_rate: float = field(default=3e-3, metadata={"description": (
+        "AdamW learning rate (constant); 3e-3 suits a freshly initialised tiny model.")})
+    batch_size: int = field(default=64, metadata={"description": (
+        "demonstrations per step; the data are reshuffled every pass (epoch). 64 rather than 32 made the warm start "
+        "much less seed-dependent on the tiny model.")})
+    weight_decay: float = field(default=0.0, metadata={"description": "AdamW decoupled weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"description": "gradients are clipped to this global L2 norm."})
+    seed: int = field(default=0, metadata={"description": (
+        "seeds the minibatch order (numpy ``Generator``); same inputs + config give the same model.")})
 
 
 @dataclass(frozen=True)
@@ -160,46 +153,72 @@ class TrainingSample:
 class GRPOTrainerConfig:
     """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
 
-    Attributes:
-        output_dir: where ``checkpoint-<step>/`` directories go.
-        learning_rate: AdamW learning rate (constant). 1e-3 for LoRA on the tiny model: 2e-3
-            oscillated and ended lower, 3e-3 and above degraded or collapsed the policy within
-            ~10 rounds (measured on spell_backward); real models want ~1e-5 to 1e-4.
-        weight_decay: AdamW decoupled weight decay (0: the adapter starts at zero anyway).
-        num_epochs: passes over the round's samples (PPO-style reuse; with behaviour log-probs the
-            importance ratio and clipping keep later passes close to the sampling policy).
-        minibatch_size: completions per optimizer step. 256 (32 groups of 8) on the tiny model
-            gave steady curves; smaller minibatches are noisier, and were where higher learning
-            rates collapsed first.
-        micro_batch_size: completions per forward/backward pass, their gradients accumulated
-            into the step (TRL's ``per_device_train_batch_size`` with
-            ``gradient_accumulation_steps``); ``None`` = the whole minibatch at once. Memory, not
-            the result, decides it: SmolLM2-135M with LoRA on 64 rows of 128 tokens needed 10 GB
-            in micro-batches of 16 and more than 24 GB at once.
-        max_steps: cap on the round's optimizer steps; ``None`` for ``num_epochs`` full passes.
-        max_grad_norm: global L2 norm the gradients are clipped to (``clip_grad_norm_``).
-        loss: the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).
-        seed: seeds minibatch order and the torch/numpy/python RNGs at the start of the round.
-        checkpoint_every: save a checkpoint every this many steps (and always at the last step).
-        keep_best: number of best checkpoints kept by ``best_metric`` (the latest is kept besides).
-        best_metric: :class:`~flow_assets.policy.trainer.StepMetrics` field averaged over the steps
-            since the previous checkpoint; the retention score of a checkpoint. Default ``"loss"``: note that the GRPO
-            surrogate's value is a weak quality signal (held-out evaluation picks the candidate);
-            retention only bounds disk use.
-        best_mode: ``"min"`` keeps the lowest scores, ``"max"`` the highest.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Names are TRL's ``GRPOConfig`` (and its ``TrainingArguments``) names where TRL has the same
+    setting: ``output_dir``, ``learning_rate``, ``weight_decay``, ``num_iterations``,
+    ``max_steps``, ``max_grad_norm``, ``seed``, ``save_steps``, and in ``loss`` ``epsilon``,
+    ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``. The others have no TRL
+    field of the same meaning: ``minibatch_size`` is TRL's ``per_device_train_batch_size *
+    gradient_accumulation_steps`` (one process), ``micro_batch_size`` its
+    ``per_device_train_batch_size``; ``keep_best`` / ``best_metric`` / ``best_mode`` decide
+    retention (TRL's ``save_total_limit`` keeps the newest, ``metric_for_best_model`` picks the
+    model loaded at the end).
     """
 
-    output_dir: str = "checkpoints"
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    num_epochs: int = 1
-    minibatch_size: int = 256
-    micro_batch_size: int | None = None
-    max_steps: int | None = None
-    max_grad_norm: float = 1.0
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    seed: int = 0
-    checkpoint_every: int = 50
-    keep_best: int = 5
-    best_metric: str = "loss"
-    best_mode: Literal["min", "max"] = "min"
+    #: old field name -> new one; a saved run config with an old name is refused, naming the new one
+    RENAMED: ClassVar[dict[str, str]] = {"num_epochs": "num_iterations", "checkpoint_every": "save_steps"}
+
+    output_dir: str = field(default="checkpoints", metadata={"description": (
+        "where ``checkpoint-<step>/`` directories go.")})
+    learning_rate: float = field(default=1e-3, metadata={"description": (
+        "AdamW learning rate (constant). 1e-3 for LoRA on the tiny model: 2e-3 oscillated and ended lower, 3e-3 and "
+        "above degraded or collapsed the policy within ~10 rounds (measured on spell_backward); real models want "
+        "~1e-5 to 1e-4.")})
+    weight_decay: float = field(default=0.0, metadata={"description": (
+        "AdamW decoupled weight decay (0: the adapter starts at zero anyway).")})
+    num_iterations: int = field(default=1, metadata={"description": (
+        "passes over the round's samples (TRL's ``num_iterations``, mu in DeepSeekMath; PPO-style reuse; with "
+        "behaviour log-probs the importance ratio and clipping keep later passes close to the sampling policy).")})
+    minibatch_size: int = field(default=256, metadata={"description": (
+        "completions per optimizer step. 256 (32 groups of 8) on the tiny model gave steady curves; smaller "
+        "minibatches are noisier, and were where higher learning rates collapsed first.")})
+    micro_batch_size: int | None = field(default=None, metadata={"description": (
+        "completions per forward/backward pass, their gradients accumulated into the step (TRL's "
+        "``per_device_train_batch_size`` with ``gradient_accumulation_steps``); ``None`` = the whole minibatch at "
+        "once. Memory, not the result, decides it: SmolLM2-135M with LoRA on 64 rows of 128 tokens needed 10 GB in "
+        "micro-batches of 16 and more than 24 GB at once.")})
+    max_steps: int | None = field(default=None, metadata={"description": (
+        "cap on the round's optimizer steps; ``None`` for ``num_iterations`` full passes.")})
+    max_grad_norm: float = field(default=1.0, metadata={"description": (
+        "global L2 norm the gradients are clipped to (``clip_grad_norm_``).")})
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig, metadata={"description": (
+        "the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).")})
+    seed: int = field(default=0, metadata={"description": (
+        "seeds minibatch order and the torch/numpy/python RNGs at the start of the round.")})
+    save_steps: int = field(default=50, metadata={"description": (
+        "save a checkpoint every this many steps, and always at the last step (TRL's ``save_steps``).")})
+    keep_best: int = field(default=5, metadata={"description": (
+        "number of best checkpoints kept by ``best_metric`` (the latest is kept besides).")})
+    best_metric: str = field(default="loss", metadata={"description": (
+        ":class:`~flow_assets.policy.trainer.StepMetrics` field averaged over the steps since the previous "
+        "checkpoint; the retention score of a checkpoint. Default ``\"loss\"``: note that the GRPO surrogate's value is "
+        "a weak quality signal (held-out evaluation picks the candidate); retention only bounds disk use.")})
+    best_mode: Literal["min", "max"] = field(default="min", metadata={"description": (
+        "``\"min\"`` keeps the lowest scores, ``\"max\"`` the highest.")})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-ready data (the nested loss config a nested object): what a
+        checkpoint's ``config.json``, a round's ``round.json`` and the tracker record."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GRPOTrainerConfig:
+        """The config :meth:`to_dict` wrote (``GRPOTrainerConfig.from_dict(c.to_dict()) == c``).
+
+        Raises:
+            TypeError: an unknown field, e.g. one renamed since the data were written.
+        """
+        values = dict(data)
+        loss = GRPOLossConfig(**values.pop("loss", {}))
+        return cls(**values, loss=loss)
+

@@ -2,7 +2,7 @@
 
 Input: samples ``(prompt ids, completion ids, behaviour log-probs or None, advantage)``, a PEFT
 LoRA model whose adapter is trainable, and optionally a frozen reference model. The round runs
-``num_epochs`` passes over the samples in minibatches, one AdamW step per minibatch, minimising
+``num_iterations`` passes over the samples in minibatches, one AdamW step per minibatch, minimising
 the clipped GRPO surrogate of :mod:`flow_assets.rl.grpo_loss` (DeepSeekMath 2024 eq. 3)::
 
     for step in 1..total_steps:
@@ -28,7 +28,7 @@ Minibatch order: pass ``e`` uses the permutation ``numpy.random.default_rng([see
 function of ``(seed, e)``, so a resumed round sees exactly the minibatches the interrupted one
 would have seen.
 
-Checkpoints (every ``checkpoint_every`` steps and at the last step) go to
+Checkpoints (every ``save_steps`` steps and at the last step) go to
 ``<output_dir>/checkpoint-<step>/``::
 
     adapter/               PEFT adapter (adapter_config.json + adapter_model.safetensors)
@@ -127,11 +127,6 @@ class RoundResult:
     seconds: float = 0.0
 
 
-def config_to_dict(config: GRPOTrainerConfig) -> dict:
-    """The config as plain JSON-able data (nested loss config included)."""
-    return dataclasses.asdict(config)
-
-
 class GRPORoundTrainer:
     """Stateful form of one round: build it, optionally :meth:`resume_from_latest`, then :meth:`train`.
 
@@ -166,8 +161,8 @@ class GRPORoundTrainer:
         self.config = config or GRPOTrainerConfig()
         self.ref_model = ref_model
         c = self.config
-        if c.minibatch_size < 1 or c.num_epochs < 1 or c.checkpoint_every < 1 or c.keep_best < 1:
-            raise ValueError("minibatch_size, num_epochs, checkpoint_every and keep_best must be >= 1")
+        if c.minibatch_size < 1 or c.num_iterations < 1 or c.save_steps < 1 or c.keep_best < 1:
+            raise ValueError("minibatch_size, num_iterations, save_steps and keep_best must be >= 1")
         if c.micro_batch_size is not None and c.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1 (or None)")
         if c.best_metric not in {f.name for f in dataclasses.fields(StepMetrics)}:
@@ -205,7 +200,7 @@ class GRPORoundTrainer:
     @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole round."""
-        total = self.config.num_epochs * self.steps_per_epoch
+        total = self.config.num_iterations * self.steps_per_epoch
         return total if self.config.max_steps is None else min(total, self.config.max_steps)
 
     def minibatch(self, step: int) -> list[int]:
@@ -243,7 +238,7 @@ class GRPORoundTrainer:
             metrics = self._train_step(self.step + 1)
             self.step = metrics.step
             self.history.append(metrics)
-            saved = self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps
+            saved = self.step % self.config.save_steps == 0 or self.step == self.total_steps
             if saved:
                 self.save_checkpoint()
             if on_step is not None:
@@ -337,7 +332,7 @@ class GRPORoundTrainer:
             {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
             tmp / "rng_state.pt",
         )
-        (tmp / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
+        (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         state = {
             "step": self.step,
             "total_steps": self.total_steps,
@@ -355,7 +350,7 @@ class GRPORoundTrainer:
 
     def _retention_metric(self) -> float:
         """Mean of ``best_metric`` over the steps since the previous checkpoint."""
-        previous = (self.step - 1) // self.config.checkpoint_every * self.config.checkpoint_every
+        previous = (self.step - 1) // self.config.save_steps * self.config.save_steps
         window = [m for m in self.history if m.step > previous] or self.history[-1:]
         return float(np.mean([getattr(m, self.config.best_metric) for m in window]))
 
@@ -401,8 +396,11 @@ class GRPORoundTrainer:
         if not checkpoints:
             return None
         step, path = checkpoints[-1]
-        saved_config = json.loads((path / "config.json").read_text())
-        if saved_config != json.loads(json.dumps(config_to_dict(self.config))):
+        try:
+            saved_config = GRPOTrainerConfig.from_dict(json.loads((path / "config.json").read_text()))
+        except TypeError:  # written with other field names (before a rename): another round's settings
+            saved_config = None
+        if saved_config != self.config:
             raise CheckpointMismatch(f"{path}: saved config differs from this round's config; not resuming")
         state = json.loads((path / "trainer_state.json").read_text())
         if state["samples_fingerprint"] != self.samples_fingerprint():

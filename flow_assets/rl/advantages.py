@@ -3,7 +3,7 @@
 For a group ``g`` of trajectories that attempted the same task, with rewards ``r_1..r_G``:
 
     A_i = (r_i - mean(r)) / (std(r) + eps)      GRPO, Shao et al. 2024 (DeepSeekMath), eq. 3
-    A_i =  r_i - mean(r)                         Dr. GRPO, Liu et al. 2025, sec. 3.2 (scale_by_std=False)
+    A_i =  r_i - mean(r)                         Dr. GRPO, Liu et al. 2025, sec. 3.2 (scale_rewards=False)
 
 ``std`` is the sample standard deviation (ddof=1), as TRL's ``GRPOTrainer`` computes it, so that
 flowopt and the reference implementation agree on the same group. A group whose rewards are all
@@ -34,8 +34,8 @@ their turn counts when ``normalise_over == "turn"`` (:func:`with_turn_counts`), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import polars as pl
 
@@ -44,21 +44,23 @@ import polars as pl
 class AdvantageConfig:
     """How rewards become advantages.
 
-    Attributes:
-        scale_by_std: divide by the group's std (GRPO); ``False`` gives Dr. GRPO's unscaled
-            advantage, which avoids up-weighting near-uniform groups.
-        eps: added to the std so that small-variance groups do not explode (TRL uses 1e-4).
-        group_scope: ``"batch"`` groups the same ``task_id`` inside one log batch;
-            ``"source"`` groups the same ``task_id`` across all batches of one source
-            (e.g. five agents' runs of the same 50 tau2 tasks).
-        normalise_over: ``"rollout"`` (one value per trajectory in the group statistics, Agent
-            Lightning v1.0) or ``"turn"`` (one per turn row, AgentFlow); see module docstring.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    scale_by_std: bool = True
-    eps: float = 1e-4
-    group_scope: Literal["batch", "source"] = "batch"
-    normalise_over: Literal["rollout", "turn"] = "rollout"
+    #: old field name -> new one; a saved run config with an old name is refused, naming the new one
+    RENAMED: ClassVar[dict[str, str]] = {"scale_by_std": "scale_rewards"}
+
+    scale_rewards: bool = field(default=True, metadata={"description": (
+        "divide by the group's std (GRPO; TRL's ``scale_rewards`` ``True`` / ``\"group\"``); ``False`` gives Dr. GRPO's "
+        "unscaled advantage (TRL's ``\"none\"``), which avoids up-weighting near-uniform groups.")})
+    eps: float = field(default=1e-4, metadata={"description": (
+        "added to the std so that small-variance groups do not explode (TRL uses 1e-4).")})
+    group_scope: Literal["batch", "source"] = field(default="batch", metadata={"description": (
+        "``\"batch\"`` groups the same ``task_id`` inside one log batch; ``\"source\"`` groups the same ``task_id`` "
+        "across all batches of one source (e.g. five agents' runs of the same 50 tau2 tasks).")})
+    normalise_over: Literal["rollout", "turn"] = field(default="rollout", metadata={"description": (
+        "``\"rollout\"`` (one value per trajectory in the group statistics, Agent Lightning v1.0) or ``\"turn\"`` (one "
+        "per turn row, AgentFlow); see module docstring.")})
 
     def __post_init__(self) -> None:
         if self.group_scope not in ("batch", "source"):
@@ -111,7 +113,7 @@ def group_advantages(rewards: pl.DataFrame, config: AdvantageConfig) -> pl.DataF
             zero_variance=(reward.max().over("group_key") == reward.min().over("group_key")),
         )
     centred = pl.col("reward") - pl.col("group_mean")
-    scaled = centred / (pl.col("group_std") + config.eps) if config.scale_by_std else centred
+    scaled = centred / (pl.col("group_std") + config.eps) if config.scale_rewards else centred
     return out.with_columns(
         advantage=pl.when(pl.col("zero_variance")).then(0.0).otherwise(scaled).cast(pl.Float64)
     )
@@ -193,7 +195,7 @@ def pooled_advantages(
     """A batch's advantages: its trajectories grouped by ``task_id``, within the batch or across
     its source (:func:`pool_groups`), each labelled one normalised in its group by
     :func:`group_advantages` (GRPO, Shao et al. 2024, DeepSeekMath eq. 3; Dr. GRPO, Liu et al.
-    2025, with ``scale_by_std=False``). Trajectories without a reward (unlabelled, or dropped by
+    2025, with ``scale_rewards=False``). Trajectories without a reward (unlabelled, or dropped by
     the judge) stay out of every group's statistics and keep a null advantage: no gradient.
 
     Args:

@@ -17,7 +17,7 @@ For logs without observation steps ``k_i = n - i - 1``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import polars as pl
@@ -27,13 +27,12 @@ FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 
 @dataclass(frozen=True)
 class CreditConfig:
-    """Attributes:
-    mode: ``"broadcast"`` or ``"discounted"``.
-    gamma: discount per step for ``"discounted"``, in (0, 1]; ignored for ``"broadcast"``.
-    """
+    """How a trajectory's advantage is credited to its turns; each field's description is its ``metadata["description"]``."""
 
-    mode: Literal["broadcast", "discounted"] = "broadcast"
-    gamma: float = 0.9
+    mode: Literal["broadcast", "discounted"] = field(default="broadcast", metadata={"description": (
+        "``\"broadcast\"`` or ``\"discounted\"``.")})
+    gamma: float = field(default=0.9, metadata={"description": (
+        "discount per step for ``\"discounted\"``, in (0, 1]; ignored for ``\"broadcast\"``.")})
 
     def __post_init__(self) -> None:
         if self.mode not in ("broadcast", "discounted"):

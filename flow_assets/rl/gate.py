@@ -28,19 +28,15 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Attributes:
-    metric: ``"sampled"`` (at the evaluation's sampled temperature) or ``"greedy"`` held-out success.
-    min_gain: least absolute success-rate gain (0.0 = not worse).
-    require_significance: also require McNemar's p < ``alpha``.
-    alpha: significance level.
-    max_kl: bound on the round's mean KL, nats per token.
-    """
+    """The promotion gate's thresholds; each field's description is its ``metadata["description"]``."""
 
-    metric: Literal["sampled", "greedy"] = "sampled"
-    min_gain: float = 0.0
-    require_significance: bool = False
-    alpha: float = 0.05
-    max_kl: float = 0.5
+    metric: Literal["sampled", "greedy"] = field(default="sampled", metadata={"description": (
+        "``\"sampled\"`` (at the evaluation's sampled temperature) or ``\"greedy\"`` held-out success.")})
+    min_gain: float = field(default=0.0, metadata={"description": (
+        "least absolute success-rate gain (0.0 = not worse).")})
+    require_significance: bool = field(default=False, metadata={"description": "also require McNemar's p < ``alpha``."})
+    alpha: float = field(default=0.05, metadata={"description": "significance level."})
+    max_kl: float = field(default=0.5, metadata={"description": "bound on the round's mean KL, nats per token."})
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Optimization Algorithms", eq. 7) with the group-relative advantage ``A_i`` broad
 
     ratio_{i,t} = pi_theta(o_{i,t} | q, o_{i,<t}) / pi_old(o_{i,t} | q, o_{i,<t})
                 = exp(logp_new_{i,t} - logp_old_{i,t})
-    L_{i,t}     = -min(ratio_{i,t} * A_i,  clip(ratio_{i,t}, 1 - eps_low, 1 + eps_high) * A_i)
+    L_{i,t}     = -min(ratio_{i,t} * A_i,  clip(ratio_{i,t}, 1 - epsilon, 1 + epsilon_high) * A_i)
                   + beta * KL_{i,t}
 
 ``logp_old`` are the behaviour log-probs logged when the completion was sampled. When they are
@@ -47,9 +47,9 @@ class GRPOLossOutput:
 
     Attributes:
         loss: scalar tensor to call ``.backward()`` on.
-        clip_low_fraction: fraction of tokens with ``A < 0`` and ``ratio < 1 - eps_low`` (clipped,
+        clip_low_fraction: fraction of tokens with ``A < 0`` and ``ratio < 1 - epsilon`` (clipped,
             no gradient), over all masked tokens.
-        clip_high_fraction: fraction of tokens with ``A > 0`` and ``ratio > 1 + eps_high``.
+        clip_high_fraction: fraction of tokens with ``A > 0`` and ``ratio > 1 + epsilon_high``.
         clip_fraction: their sum (the two sets are disjoint).
         mean_ratio: mean importance ratio over masked tokens.
         mean_kl: mean k3 KL over masked tokens; 0.0 when ``ref_logp`` is ``None``.
@@ -124,7 +124,7 @@ def grpo_loss(
     adv = advantages.to(logp_new.dtype).unsqueeze(1)  # [batch, 1]
 
     ratio = torch.exp(logp_new - logp_old)  # [batch, seq]
-    clipped_ratio = torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.epsilon, 1.0 + config.epsilon_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [batch, seq]
 
     kl = None
@@ -138,8 +138,8 @@ def grpo_loss(
     with torch.no_grad():
         n = mask.sum()
         denom = n.clamp(min=1.0)
-        low = ((ratio < 1.0 - config.eps_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1.0 + config.eps_high) & (adv > 0)).to(mask.dtype)
+        low = ((ratio < 1.0 - config.epsilon) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1.0 + config.epsilon_high) & (adv > 0)).to(mask.dtype)
         clip_low = float((low * mask).sum() / denom)
         clip_high = float((high * mask).sum() / denom)
         mean_ratio = float((ratio * mask).sum() / denom)

@@ -44,23 +44,21 @@ class RewardFunctionError(ValueError):
 class RewardConfig:
     """Weights of the reward terms. The defaults are the formula of docs/architecture.md, "The reward".
 
-    Attributes:
-        outcome: weight of the logged outcome (score, else success as 1/0).
-        tool_success: added per successful tool call (``kind == "tool"`` and ``status == "ok"``).
-        verify: added per verification step (``kind == "verify"``).
-        step_penalty: added per step (negative: a length penalty).
-        judge: weight of the scoring agent's score (only when a judge endpoint is configured).
-        custom: agent type -> ``"module:function"`` paths of custom reward functions. The agent
-            type of a trajectory is its ``agent_id`` up to the first ``":"``; the key ``"*"``
-            applies to every agent.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    outcome: float = 1.0
-    tool_success: float = 0.1
-    verify: float = 0.05
-    step_penalty: float = -0.01
-    judge: float = 1.0
-    custom: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    outcome: float = field(default=1.0, metadata={"description": (
+        "weight of the logged outcome (score, else success as 1/0).")})
+    tool_success: float = field(default=0.1, metadata={"description": (
+        "added per successful tool call (``kind == \"tool\"`` and ``status == \"ok\"``).")})
+    verify: float = field(default=0.05, metadata={"description": (
+        "added per verification step (``kind == \"verify\"``).")})
+    step_penalty: float = field(default=-0.01, metadata={"description": "added per step (negative: a length penalty)."})
+    judge: float = field(default=1.0, metadata={"description": (
+        "weight of the scoring agent's score (only when a judge endpoint is configured).")})
+    custom: Mapping[str, tuple[str, ...]] = field(default_factory=dict, metadata={"description": (
+        "agent type -> ``\"module:function\"`` paths of custom reward functions. The agent type of a trajectory is its "
+        "``agent_id`` up to the first ``\":\"``; the key ``\"*\"`` applies to every agent.")})
 
     @classmethod
     def outcome_only(cls) -> RewardConfig:

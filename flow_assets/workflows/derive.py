@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import polars as pl
 
@@ -24,22 +24,20 @@ from flow_assets.workflows.stats import StepStatsConfig, outcomes, tool_calls, t
 class DeriveConfig:
     """How a definition is read off the logs.
 
-    Attributes:
-        min_trajectories: a tool becomes a step when at least this many of the agent's
-            trajectories call it (default 2: a tool called once is noise, not a step).
-        required_share: a step called in fewer than this share of the agent's trajectories is
-            marked ``optional`` (default 0.9).
-        constant_share: an argument with one value in at least this share of a tool's calls is a
-            fixed parameter (default 0.95).
-        min_parameter_calls: arguments are read only from tools with at least this many calls
-            (default 20), and from at most ``max_parameter_calls`` of them (default 2000).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    min_trajectories: int = 2
-    required_share: float = 0.9
-    constant_share: float = 0.95
-    min_parameter_calls: int = 20
-    max_parameter_calls: int = 2000
+    min_trajectories: int = field(default=2, metadata={"description": (
+        "a tool becomes a step when at least this many of the agent's trajectories call it (default 2: a tool called "
+        "once is noise, not a step).")})
+    required_share: float = field(default=0.9, metadata={"description": (
+        "a step called in fewer than this share of the agent's trajectories is marked ``optional`` (default 0.9).")})
+    constant_share: float = field(default=0.95, metadata={"description": (
+        "an argument with one value in at least this share of a tool's calls is a fixed parameter (default 0.95).")})
+    min_parameter_calls: int = field(default=20, metadata={"description": (
+        "arguments are read only from tools with at least this many calls (default 20).")})
+    max_parameter_calls: int = field(default=2000, metadata={"description": (
+        "arguments are read from at most this many calls of a tool (default 2000).")})
 
 
 def constant_arguments(inputs: list[str | None], share: float) -> dict[str, object]:

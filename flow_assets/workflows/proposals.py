@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, Literal
 
@@ -57,34 +57,31 @@ _CAVEAT = {
 class ProposalConfig:
     """The minimum of evidence behind a proposal, and how comparisons are made.
 
-    Attributes:
-        comparison: ``"within_task"`` (default: trajectories of the same task compared, one
-            difference per task, Student-t interval over tasks) or ``"pooled"`` (all trajectories,
-            Newcombe's hybrid score interval). See the module docstring for why within-task is the default.
-        alpha: 1 - confidence level of every interval (default 0.05: 95%).
-        familywise: Bonferroni-correct ``alpha`` over the steps one rule tests for one agent
-            (default on).
-        min_trajectories: trajectories behind a comparison, both sides together (default 30).
-        min_per_side: trajectories on each side of a comparison (default 10).
-        min_tasks: tasks with trajectories on both sides, for a within-task comparison (default 8).
-        min_effect: smallest estimated change in success rate worth a proposal (default 0.05).
-        broken_error_rate: ``remove_broken_step`` needs the Wilson lower bound of the step's call
-            failure rate to reach this (default 0.8).
-        min_calls: calls behind ``remove_broken_step`` (default 20).
-        max_trajectory_ids: trajectory ids listed per side in the evidence (default 50; the
-            counts are always complete).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    comparison: Literal["within_task", "pooled"] = "within_task"
-    alpha: float = 0.05
-    familywise: bool = True
-    min_trajectories: int = 30
-    min_per_side: int = 10
-    min_tasks: int = 8
-    min_effect: float = 0.05
-    broken_error_rate: float = 0.8
-    min_calls: int = 20
-    max_trajectory_ids: int = 50
+    comparison: Literal["within_task", "pooled"] = field(default="within_task", metadata={"description": (
+        "``\"within_task\"`` (default: trajectories of the same task compared, one difference per task, Student-t "
+        "interval over tasks) or ``\"pooled\"`` (all trajectories, Newcombe's hybrid score interval). See the module "
+        "docstring for why within-task is the default.")})
+    alpha: float = field(default=0.05, metadata={"description": (
+        "1 - confidence level of every interval (default 0.05: 95%).")})
+    familywise: bool = field(default=True, metadata={"description": (
+        "Bonferroni-correct ``alpha`` over the steps one rule tests for one agent (default on).")})
+    min_trajectories: int = field(default=30, metadata={"description": (
+        "trajectories behind a comparison, both sides together (default 30).")})
+    min_per_side: int = field(default=10, metadata={"description": (
+        "trajectories on each side of a comparison (default 10).")})
+    min_tasks: int = field(default=8, metadata={"description": (
+        "tasks with trajectories on both sides, for a within-task comparison (default 8).")})
+    min_effect: float = field(default=0.05, metadata={"description": (
+        "smallest estimated change in success rate worth a proposal (default 0.05).")})
+    broken_error_rate: float = field(default=0.8, metadata={"description": (
+        "``remove_broken_step`` needs the Wilson lower bound of the step's call failure rate to reach this (default "
+        "0.8).")})
+    min_calls: int = field(default=20, metadata={"description": "calls behind ``remove_broken_step`` (default 20)."})
+    max_trajectory_ids: int = field(default=50, metadata={"description": (
+        "trajectory ids listed per side in the evidence (default 50; the counts are always complete).")})
 
 
 class Evidence(BaseModel):

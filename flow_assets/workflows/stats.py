@@ -17,7 +17,7 @@ turns around the workflow, not steps of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import polars as pl
 
@@ -82,18 +82,17 @@ Rates of an empty group are null.
 class StepStatsConfig:
     """How step statistics are computed.
 
-    Attributes:
-        z: normal quantile of the intervals; 1.96 (the default) gives 95% intervals.
-        success_score: a trajectory that logs a score but no success flag counts as a success
-            when ``outcome_score >= success_score`` (default 1.0: a full score).
-        max_reasons: failure reasons listed per step (the commonest first).
-        reason_chars: a failure reason is cut to this many characters.
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
     """
 
-    z: float = Z_95
-    success_score: float = 1.0
-    max_reasons: int = 3
-    reason_chars: int = 100
+    z: float = field(default=Z_95, metadata={"description": (
+        "normal quantile of the intervals; 1.96 (the default) gives 95% intervals.")})
+    success_score: float = field(default=1.0, metadata={"description": (
+        "a trajectory that logs a score but no success flag counts as a success when ``outcome_score >= "
+        "success_score`` (default 1.0: a full score).")})
+    max_reasons: int = field(default=3, metadata={"description": (
+        "failure reasons listed per step (the commonest first).")})
+    reason_chars: int = field(default=100, metadata={"description": "a failure reason is cut to this many characters."})
 
 
 def outcomes(trajectories: pl.LazyFrame, config: StepStatsConfig = StepStatsConfig()) -> pl.LazyFrame:
