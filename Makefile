@@ -38,6 +38,7 @@ demo-real: $(BIN)/.installed-smollm2
 test: install
 	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \
 	  $(BIN)/dagster definitions validate -w workspace.yaml; status=$$?; rm -rf $$DAGSTER_HOME; exit $$status
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 
 ui: install

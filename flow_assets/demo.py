@@ -419,7 +419,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
     from flow_assets.deployment import Daemon, finished_runs, runs_in_flight, wait_until
     from flow_assets.rounds import landing_source
     from flow_assets.logs.landing import key_component, key_source
-    from sensors.self_play import AGENT_TAG
+    from flow_assets.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
 
     agent_id = TaskSourceResource(kind=phase.kind).agent_id
     source = key_component(landing_source(agent_id))

@@ -43,6 +43,7 @@ from flow_assets.local import failure_messages, run_job
 from flow_assets.logs.records import display_path
 from flow_assets.partitions import log_batches
 from flow_assets.recovery import recover_dead_runs
+from flow_assets.run_tags import LAUNCHED_BY_TAG
 from flow_assets.summary import batch_summary
 from resources.lake import BatchManifest, TrajectoryLake
 from flow_assets.logs.landing import LandedFile, batch_key, ingest_temporary, is_in_progress, remove_stale_temporaries, sha256_file
@@ -295,7 +296,7 @@ def ingest_files(
             with lake.batch_lock(key):  # another process running this batch now: wait, then use its result
                 ran_meanwhile = not force and key in instance.get_materialized_partitions(_LAST_ASSET)
                 outcome = None if ran_meanwhile else run_job(
-                    defs, instance, "log_batch_job", key, log_level=log_level, tags={"flowopt/launched_by": "flowopt ingest"}
+                    defs, instance, "log_batch_job", key, log_level=log_level, tags={LAUNCHED_BY_TAG: "flowopt ingest"}
                 )  # fmt: skip
             if ran_meanwhile:
                 result.message = "another process ingested these bytes while this one waited; its figures are these"

@@ -44,7 +44,7 @@ from flow_assets.history import history_chart, vega_lite_spec
 from flow_assets.history import training_history as training_history_table
 from flow_assets.metadata import preview_table
 from flow_assets.partitions import log_batches
-from flow_assets.api.jobs import PAUSED_TAG, pause_requested
+from flow_assets.run_tags import AGENT_TAG, BUDGET_TAG, FAILURE_TAG, GATE_DECISION_TAG, GATE_TAG, JOB_TAG, PAUSED_TAG, GateDecision, pause_requested
 from flow_assets.tracking import flat_params
 from flow_assets.rl.gate import verdict
 from flow_assets.versions import TRAINING_OWNERS, code_version
@@ -72,8 +72,6 @@ from resources.tracking import ExperimentTracking
 GROUP = "training"
 #: StepMetrics fields exported per optimizer step (as ``train/<name>``)
 TRACKED_STEP_METRICS = ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl", "num_tokens")
-#: run tag with the gate's one-line verdict ("promote: ..." or "keep v15 (blocked: ...)")
-GATE_TAG = "flowopt/gate"
 POOL = "training"  # dagster.yaml: pools default_limit 1, granularity run -> one round at a time
 
 # -- base policy ----------------------------------------------------------------------------------
@@ -171,7 +169,6 @@ def _check_job_budget(context: AssetExecutionContext, lake: TrajectoryLake) -> N
     while its agent's spend this month is under the job's budget; otherwise the run fails with the
     tag ``flowopt/job_failure = budget`` and the job stops at this round boundary."""
     from flow_assets.budget import lake_spend
-    from flow_assets.api.jobs import AGENT_TAG, BUDGET_TAG, FAILURE_TAG, JOB_TAG
 
     tags = context.run.tags
     if JOB_TAG not in tags or BUDGET_TAG not in tags:
@@ -213,7 +210,7 @@ def policy_checkpoint(
     tracker = tracking.open(tasks.agent_id, key)
     tracker.log_params(flat_params({"trainer": trainer.to_dict(), "negate_advantages": config.negate_advantages}))
 
-    job = context.run.tags.get("flowopt/job")
+    job = context.run.tags.get(JOB_TAG)
 
     def log_step(m) -> None:
         context.log.info(
@@ -312,8 +309,8 @@ def evaluation_report(
     decision = verdict(summary.parent_version, result.gate)
     # the run list shows tags: a blocked round's run is failed by its blocking check (Dagster's
     # design), and this tag says why in the list itself; the champion's page records the decision
-    context.instance.add_run_tags(context.run_id, {GATE_TAG: decision[:200]})
     blocked = [r for r in result.gate if not r.passed]
+    context.instance.add_run_tags(context.run_id, {GATE_TAG: decision[:200], GATE_DECISION_TAG: GateDecision.of(bool(blocked)).value})
     _track_evaluation(context, tracking, tasks.agent_id, summary.final_step, report, metric, not blocked)
     if blocked:
         context.log.warning(f"gate: {decision}")

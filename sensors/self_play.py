@@ -25,6 +25,7 @@ from dagster import DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilte
 from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
 from flow_assets.recovery import PARTITION_NAME_TAG
 from flow_assets.rounds import landing_source
+from flow_assets.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
@@ -32,7 +33,6 @@ from flow_assets.logs.landing import key_component, key_source
 from sensors.settings import sensor_interval
 from sensors.training import failed_data_checks
 
-AGENT_TAG = "flowopt/agent"
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
 #: collections in a row that may fail before the loop stops asking (a broken setup, not bad luck)

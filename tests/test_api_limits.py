@@ -204,7 +204,7 @@ def test_metrics_and_the_schema_need_the_token_and_client_method_names_are_no_la
 
 
 def test_a_failed_jobs_reason_names_no_file_of_the_server(api):
-    from flow_assets.api.jobs import AGENT_TAG, JOB_TAG, ROUND_TAG
+    from flow_assets.run_tags import AGENT_TAG, JOB_TAG, ROUND_TAG
     from resources.lake import TrajectoryLake
 
     lake_root = str(api["lake"].root)

@@ -170,6 +170,7 @@ def test_worse_candidate_is_blocked_and_champion_unchanged(world):
     # the run list says it too (the run is failed by the blocking check), and the champion's page
     run = world.instance.get_run_by_id(report.run_id)
     assert run.tags["flowopt/gate"] == report.asset_materialization.metadata["verdict"].value[:200]
+    assert run.tags["flowopt/gate_decision"] == "keep"  # the decision for code, apart from the sentence
     from dagster import DagsterRunStatus
 
     from flow_assets.api.jobs import round_status
@@ -343,7 +344,8 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
     """training.pause / resume on real runs: the round sees the request after its first optimizer
     step, checkpoints it and stops (the job reads paused); resume submits a second attempt, which
     continues from that checkpoint to the end (the job reads completed)."""
-    from flow_assets.api.jobs import JOB_TAG, JobParams, JobService, StartGrpoParams, pause_key
+    from flow_assets.api.jobs import JobParams, JobService, StartGrpoParams
+    from flow_assets.run_tags import JOB_TAG, pause_key
     from flow_assets.api.jsonrpc import INVALID_STATE, RpcError
 
     key = world.collect()

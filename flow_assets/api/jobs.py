@@ -43,15 +43,22 @@ from pydantic import BaseModel, Field
 
 from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError, scrub_paths
 from flow_assets.data_checks import failed_data_checks
+from flow_assets.run_tags import (
+    AGENT_TAG,
+    ATTEMPT_TAG,
+    BUDGET_TAG,
+    FAILURE_TAG,
+    GATE_TAG,
+    JOB_TAG,
+    KIND_TAG,
+    PAUSED_TAG,
+    ROUND_TAG,
+    attempt,
+    gate_blocked,
+    pause_key,
+)
 from flow_assets.training_config import TRAINING_JOB, RoundSettings
 
-JOB_TAG = "flowopt/job"
-AGENT_TAG = "flowopt/job_agent"
-ROUND_TAG = "flowopt/job_round"
-GATE_TAG = "flowopt/gate"
-BUDGET_TAG = "flowopt/job_budget_usd"
-FAILURE_TAG = "flowopt/job_failure"
-PAUSED_TAG = "flowopt/job_paused"
 log = logging.getLogger("flowopt.api")
 
 
@@ -61,34 +68,19 @@ def log_event(event: str, **fields: Any) -> None:
     log.info(json.dumps({"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "event": event, **fields}, default=str))
 
 
-#: ``grpo`` (training.start_grpo) or ``evaluate`` (training.evaluate); absent = grpo
-KIND_TAG = "flowopt/job_kind"
-
-
-def pause_key(job_id: str) -> str:
-    """The instance key-value entry that asks a job's running round to pause (``"requested"``)."""
-    return f"flowopt/job/{job_id}/pause"
-
-
-def pause_requested(instance: DagsterInstance, job_id: str) -> bool:
-    """Whether ``training.pause`` asked ``job_id`` to pause (read by the training step loop)."""
-    key = pause_key(job_id)
-    return instance.run_storage.get_cursor_values({key}).get(key) == "requested"
-
-
 def latest_per_round(runs: list) -> list:
     """The newest run of each round (a resumed round has several), in round order."""
     latest: dict[int, object] = {}
-    for run in sorted(runs, key=lambda r: r.tags.get("flowopt/job_attempt", "1").zfill(6)):
+    for run in sorted(runs, key=lambda r: f"{attempt(r.tags):06d}"):
         latest[int(run.tags.get(ROUND_TAG, "0"))] = run
     return [latest[k] for k in sorted(latest)]
 
 
 def round_status(run) -> DagsterRunStatus:
     """A round's status as its job counts it: a run that failed only because the gate's blocking
-    check refused the candidate (its ``flowopt/gate`` tag reads ``keep ...``) finished its round
+    check refused the candidate (:func:`~flow_assets.run_tags.gate_blocked`) finished its round
     as designed, so it counts as ``SUCCESS``; every other status is the run's own."""
-    if run.status == DagsterRunStatus.FAILURE and run.tags.get(GATE_TAG, "").startswith("keep "):
+    if run.status == DagsterRunStatus.FAILURE and gate_blocked(run.tags):
         return DagsterRunStatus.SUCCESS
     return run.status
 
@@ -190,7 +182,7 @@ class JobService:
     def _submit(self, job_name: str, run_config: dict | None, tags: dict[str, str]) -> str:
         run_id = self.submit(job_name, run_config, tags)
         log_event("run_submitted", job_id=tags[JOB_TAG], run_id=run_id, dagster_job=job_name, partition=tags.get("dagster/partition"),
-                  round=tags.get(ROUND_TAG), attempt=tags.get("flowopt/job_attempt", "1"))  # fmt: skip
+                  round=tags.get(ROUND_TAG), attempt=tags.get(ATTEMPT_TAG, "1"))  # fmt: skip
         return run_id
 
     def _terminate(self, job_id: str, run_ids: list[str], why: str) -> None:
@@ -260,8 +252,8 @@ class JobService:
             "rounds": [
                 {"round": int(r.tags.get(ROUND_TAG, "0")), "batch": r.tags.get("dagster/partition"), "run_id": r.run_id,
                  "status": r.status.value.lower(), "gate": r.tags.get(GATE_TAG),
-                 "blocked": r.tags.get(GATE_TAG, "").startswith("keep "), "paused": r.tags.get(PAUSED_TAG),
-                 "attempt": int(r.tags.get("flowopt/job_attempt", "1"))}  # fmt: skip
+                 "blocked": gate_blocked(r.tags), "paused": r.tags.get(PAUSED_TAG),
+                 "attempt": attempt(r.tags)}  # fmt: skip
                 for r in runs
             ],
             "evaluation": self._evaluation(runs[0]) if kind == "evaluate" and runs[0].status == DagsterRunStatus.SUCCESS else None,
@@ -372,7 +364,7 @@ class JobService:
         for run in todo:
             keep = ("dagster/partition", JOB_TAG, AGENT_TAG, ROUND_TAG, BUDGET_TAG)
             tags = {k: run.tags[k] for k in keep if k in run.tags}
-            tags["flowopt/job_attempt"] = str(int(run.tags.get("flowopt/job_attempt", "1")) + 1)
+            tags[ATTEMPT_TAG] = str(attempt(run.tags) + 1)
             self._submit(TRAINING_JOB, run.run_config or None, tags)
         return self.get_status(params)
 
