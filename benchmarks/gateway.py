@@ -39,6 +39,7 @@ import openai
 import torch
 
 from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
+from flow_assets.gateway.serve import serve_policy
 
 FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200}
 QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10}
@@ -52,7 +53,6 @@ THROUGHPUT_TOKENS = 8
 
 
 def _policy(root: Path, sft_steps: int, size: dict | None = None):
-    from flow_assets.gateway.serve import serve_policy
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.tiny_model import TinyModelConfig

@@ -14,7 +14,6 @@ if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
 
 
 def test_vllm_rollouts_carry_the_policy_logprobs(tmp_path):
-    from flow_assets.gateway.serve import serve_policy
     from flow_assets.policy.sampling import SamplingConfig, completion_logprobs
     from flow_assets.policy.tiny_model import load_policy, save_tiny_policy
     from flow_assets.policy.vllm_backend import VLLMSampler
@@ -45,6 +44,7 @@ def test_the_gateway_serves_smollm2_through_vllm_with_a_lora_adapter(tmp_path):
     import httpx
     import openai
 
+    from flow_assets.gateway.serve import serve_policy
     from flow_assets.logs.schema import Trajectory
     from flow_assets.policy.presets import prepare_model
     from flow_assets.policy.sampling import completion_logprobs

@@ -56,6 +56,7 @@ from flow_assets.run_tags import (
     attempt,
     gate_blocked,
     pause_key,
+    pause_requested,
 )
 from flow_assets.training_config import TRAINING_JOB, RoundSettings
 
