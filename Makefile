@@ -3,13 +3,24 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# the demo's own state (flowopt demo --state); `make ui` shows it. DAGSTER_HOME / FLOWOPT_* set by
-# the user win, for these targets only (the tests make their own)
+# the demo's own state (flowopt demo --state). The demo records it in .flowopt.toml, the project
+# settings file every flowopt command and the code location read (docs/settings.md), so commands
+# run from here find it with nothing exported. DAGSTER_HOME / FLOWOPT_* set by the user win, for
+# these targets only (the tests make their own).
 DEMO_STATE ?= $(CURDIR)/.demo
-demo demo-real ui: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
-demo demo-real ui: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
-demo demo-real ui: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
-demo demo-real ui: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
+SETTINGS_FILE := .flowopt.toml
+demo demo-real: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
+demo demo-real: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
+demo demo-real: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
+demo demo-real: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
+# `make ui`: Dagster reads DAGSTER_HOME itself (not the settings file): the recipe gives it the
+# instance of the settings; with no settings file, the demo's directories as before
+ifeq ($(wildcard $(SETTINGS_FILE)),)
+ui: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
+ui: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
+ui: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
+ui: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
+endif
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
 TORCH_SPEC ?= torch==2.13.0
 
@@ -42,11 +53,14 @@ test: install
 	$(BIN)/pytest -q
 
 ui: install
-	mkdir -p "$$DAGSTER_HOME" && (test -f "$$DAGSTER_HOME/dagster.yaml" || cp dagster.yaml "$$DAGSTER_HOME/")
-	$(BIN)/dagster-webserver -w workspace.yaml -h 127.0.0.1 -p 3000
+	home="$${DAGSTER_HOME:-$$($(BIN)/python -m flow_assets.settings dagster_home)}" && test -n "$$home" && \
+	  mkdir -p "$$home" && (test -f "$$home/dagster.yaml" || cp dagster.yaml "$$home/") && \
+	  DAGSTER_HOME="$$(cd "$$home" && pwd)" exec $(BIN)/dagster-webserver -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install
 	$(BIN)/python -m benchmarks
 
+# the settings file goes with the state it names, but only the one the demo wrote (its first line)
 clean:
 	rm -rf .demo .tmp_dagster_home_* reports/*.json
+	if head -n 1 $(SETTINGS_FILE) 2>/dev/null | grep -q '^# written by flowopt demo'; then rm -f $(SETTINGS_FILE); fi

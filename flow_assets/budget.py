@@ -88,12 +88,12 @@ def agent_spend(trajectories: pl.LazyFrame, steps: pl.LazyFrame, rewards: pl.Laz
 
 def prices_of(settings: Settings | None = None) -> Prices:
     """The policy's prices in ``settings`` (``FLOWOPT_POLICY_INPUT_USD_PER_MTOK`` and
-    ``FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK``, default 0; default settings: the environment, read now).
+    ``FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK``, default 0; default settings: :meth:`Settings.load`, read now).
 
     Raises:
         ValueError: a value that is not a non-negative number (the message names the variable).
     """
-    settings = settings or Settings.from_environ()
+    settings = settings or Settings.load()
     return Prices(settings.policy_input_usd_per_mtok, settings.policy_output_usd_per_mtok)
 
 

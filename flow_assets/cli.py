@@ -90,7 +90,8 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         print(f"flowopt serve: {exc}", file=sys.stderr)
         return 2
-    store = PolicyStore(models_root=args.models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
+    models, landing = args.models or settings.models, args.landing or settings.landing
+    store = PolicyStore(models_root=models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
     if not store.base_path.is_dir():
         print(f"flowopt serve: no base model at {store.base_path} (run `make demo`, or pass --base-model)", file=sys.stderr)
         return 2
@@ -105,10 +106,10 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         source=args.source,
         limits=limits,
     )
-    gateway = make_gateway(store, args.landing, config=config)
+    gateway = make_gateway(store, landing, config=config)
     print(
         f"flowopt gateway: http://{args.host}:{args.port}/v1 serving {', '.join(gateway.resolver.names())}; "
-        f"rollouts land in {Path(args.landing) / args.source}; "
+        f"rollouts land in {Path(landing) / args.source}; "
         + (f"{len(tokens)} bearer token(s) required" if tokens else "no token required (loopback only)"),
         flush=True,
     )
@@ -152,7 +153,7 @@ def _models_list(args: argparse.Namespace, settings: Settings) -> int:
 def _rollback(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
-    registry = AdapterRegistry(root=args.models)
+    registry = AdapterRegistry(root=args.models or settings.models)
     try:
         before, challenger = registry.champion(), registry.challenger()
         if challenger:  # during live A/B, "roll back" means: withdraw the challenger
@@ -171,7 +172,7 @@ def _rollback(args: argparse.Namespace, settings: Settings) -> int:
 def _promote(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
-    registry = AdapterRegistry(root=args.models)
+    registry = AdapterRegistry(root=args.models or settings.models)
     try:
         before, challenger = registry.champion(), registry.challenger()
         if not challenger:
@@ -187,21 +188,22 @@ def _promote(args: argparse.Namespace, settings: Settings) -> int:
 
 def _report_champion(registry, home: str | None, command: str, settings: Settings) -> None:
     # the UI's `champion` asset shows a change made here beside the promotions made by runs; an
-    # instance is opened only where one was named, never the default directory
+    # instance is opened only where one was named (variable, project settings file, --home),
+    # never the default directory
     home = home or (settings.dagster_home if settings.is_set("dagster_home") else None)
     if home:
         from flow_assets.champion import champion_materialization
 
         local_instance(home).report_runless_asset_event(champion_materialization(registry.load()))
     else:
-        print(f"flowopt {command}: not recorded in a Dagster instance (set DAGSTER_HOME or --home)", file=sys.stderr)
+        print(f"flowopt {command}: not recorded in a Dagster instance (set DAGSTER_HOME, dagster_home in .flowopt.toml, or --home)", file=sys.stderr)
 
 
 def _registry_rebuild(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
     try:
-        content = AdapterRegistry(root=args.models).rebuild()
+        content = AdapterRegistry(root=args.models or settings.models).rebuild()
     except RegistryError as exc:
         print(f"flowopt registry rebuild: {exc}", file=sys.stderr)
         return 1
@@ -212,7 +214,7 @@ def _registry_rebuild(args: argparse.Namespace, settings: Settings) -> int:
 def _registry_show(args: argparse.Namespace, settings: Settings) -> int:
     from resources.registry import AdapterRegistry, RegistryError
 
-    registry = AdapterRegistry(root=args.models)
+    registry = AdapterRegistry(root=args.models or settings.models)
     try:
         content = registry.load()
     except RegistryError as exc:
@@ -406,7 +408,8 @@ def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.ui_tour import TourError, tour
 
     state = DemoState.from_settings(settings, args.state)
-    env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models)}
+    env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models),
+           "FLOWOPT_WORKFLOWS": str(state.workflows)}  # fmt: skip
     try:
         result = tour(env, Path(args.out), settings=settings)
     except TourError as exc:
@@ -430,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Run the main job end to end: the real logs through the data plane, then two agents trained in rounds. "
         "State goes to DAGSTER_HOME / FLOWOPT_LAKE / FLOWOPT_LANDING / FLOWOPT_MODELS where set, else under --state. "
         "Each run clears the state it created before (marked .flowopt-demo); anything else is deleted only with --reset. "
+        "It records where its state is in .flowopt.toml here (the project settings file; one a person wrote is left alone), "
+        "so flowopt proposals / serve / promote / rollback / api / ingest and make ui run from here find it. "
         "Exit code 2: the logs are missing or the state is not the demo's (nothing changed).",
     )
     demo.add_argument("--state", default=".demo", help="directory of the demo's own state (default .demo)")
@@ -464,16 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     ingest.add_argument("paths", nargs="+", help="log files or directories to ingest")
     ingest.add_argument("--source", default=None, help="source name (default: the file's folder name, or the named directory's)")
     ingest.add_argument("--format", default="auto", choices=["auto", *known_formats()], help="parser (default: detect; plug-ins included)")
-    ingest.add_argument("--landing", default=None, help="landing directory (default $FLOWOPT_LANDING or .landing)")
-    ingest.add_argument("--lake", default=None, help="lake directory (default $FLOWOPT_LAKE or .lake)")
-    ingest.add_argument("--home", default=None, help="DAGSTER_HOME (default $DAGSTER_HOME or .dagster_home)")
+    ingest.add_argument("--landing", default=None, help="landing directory (default: the landing setting, .landing)")
+    ingest.add_argument("--lake", default=None, help="lake directory (default: the lake setting, .lake)")
+    ingest.add_argument("--home", default=None, help="Dagster instance directory (default: the dagster_home setting, .dagster_home)")
     ingest.add_argument("--force", action="store_true", help="materialise a batch again even if its bytes were already ingested")
     ingest.add_argument("--replace", action="store_true", help="retire earlier batches landed under the same name with other bytes")
     ingest.add_argument("--verbose", action="store_true", help="Dagster's log and full error tracebacks on stderr")
     ingest.set_defaults(fn=_ingest)
     serve = sub.add_parser("serve", help="the policy gateway: an OpenAI-compatible server that records rollouts")
-    serve.add_argument("--models", default=DEFAULT_MODELS, help=f"the policy's models directory (default {DEFAULT_MODELS})")
-    serve.add_argument("--landing", default=DEFAULT_LANDING, help=f"landing directory rollouts land in (default {DEFAULT_LANDING})")
+    serve.add_argument("--models", default=None, help=f"the policy's models directory (default: the models setting, {DEFAULT_MODELS})")
+    serve.add_argument("--landing", default=None, help=f"landing directory rollouts land in (default: the landing setting, {DEFAULT_LANDING})")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base)")
@@ -497,26 +502,26 @@ def main(argv: list[str] | None = None) -> int:
     listing = models_sub.add_parser("list", help="the presets, whether installed and prepared")
     listing.set_defaults(fn=_models_list)
     promote = sub.add_parser("promote", help="end a live A/B by hand: the challenger becomes the champion")
-    promote.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
-    promote.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records it (default $DAGSTER_HOME)")
+    promote.add_argument("--models", default=None, help=f"models directory holding registry.json (default: the models setting, {DEFAULT_MODELS})")
+    promote.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records it (default: the dagster_home setting where set)")
     promote.add_argument("--reason", default="manual promotion", help="recorded in the registry history")
     promote.add_argument("--by", default=None, help="who promotes (default: the current user)")
     promote.set_defaults(fn=_promote)
     rollback = sub.add_parser(
         "rollback", help="restore the previous champion adapter in the registry (during a live A/B: withdraw the challenger)"
     )
-    rollback.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
-    rollback.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records the rollback (default $DAGSTER_HOME)")
+    rollback.add_argument("--models", default=None, help=f"models directory holding registry.json (default: the models setting, {DEFAULT_MODELS})")
+    rollback.add_argument("--home", default=None, help="DAGSTER_HOME whose champion asset records the rollback (default: the dagster_home setting where set)")
     rollback.add_argument("--reason", default="manual rollback", help="recorded in the registry history")
     rollback.add_argument("--by", default=None, help="who rolls back (default: the current user)")
     rollback.set_defaults(fn=_rollback)
     registry = sub.add_parser("registry", help="the adapter registry (champion and history)")
     registry_sub = registry.add_subparsers(dest="registry_command", required=True)
     rebuild = registry_sub.add_parser("rebuild", help="rebuild a damaged registry.json from its history event files")
-    rebuild.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
+    rebuild.add_argument("--models", default=None, help=f"models directory holding registry.json (default: the models setting, {DEFAULT_MODELS})")
     rebuild.set_defaults(fn=_registry_rebuild)
     show_registry = registry_sub.add_parser("show", help="champion, challenger, candidate and the number of events (exit 1: registry.json damaged)")
-    show_registry.add_argument("--models", default=DEFAULT_MODELS, help=f"models directory holding registry.json (default {DEFAULT_MODELS})")
+    show_registry.add_argument("--models", default=None, help=f"models directory holding registry.json (default: the models setting, {DEFAULT_MODELS})")
     show_registry.set_defaults(fn=_registry_show)
     bus = sub.add_parser("bus", help="the RabbitMQ message-bus source: tasks, responses and rewards landed as log batches")
     bus_sub = bus.add_subparsers(dest="bus_command", required=True)
@@ -573,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         "append-only audit log <workflows>/audit.jsonl. Exit codes: 1 refused (the reason on stderr), 2 no such proposal.",
     )
     proposals_sub = proposals.add_subparsers(dest="proposals_command", required=True)
-    workflows_help = "workflow directory (default $FLOWOPT_WORKFLOWS, else .workflows)"
+    workflows_help = "workflow directory (default: the workflows setting, $FLOWOPT_WORKFLOWS or .flowopt.toml, else .workflows)"
     proposals_list = proposals_sub.add_parser("list", help="the proposals, oldest first")
     proposals_list.add_argument("--status", default="open", choices=["open", "applied", "rejected", "stale", "superseded", "all"],
                          help="show only proposals with this status (default open)")  # fmt: skip
@@ -598,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     schema.set_defaults(fn=_schema)
     args = parser.parse_args(argv)
     try:  # once, after the arguments (so --help works whatever the environment holds)
-        settings = Settings.from_environ()
+        settings = Settings.load()
     except ValueError as exc:
         print(f"flowopt {args.command}: {exc}", file=sys.stderr)
         return 2

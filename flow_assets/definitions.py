@@ -1,6 +1,7 @@
 """The flowopt code location: every asset, check, job, sensor and resource in one Definitions.
 
-Its settings come from the environment, read once when the code location loads
+Its settings come from the environment over the project settings file ``.flowopt.toml`` of the
+working directory, read once when the code location loads
 (:func:`flow_assets.settings.process_settings`), so the same code serves the demo, CI and a
 deployment: the lake, landing, models and workflow directories (``FLOWOPT_LAKE``,
 ``FLOWOPT_LANDING``, ``FLOWOPT_MODELS``, ``FLOWOPT_WORKFLOWS``), how long a landed file settles
@@ -93,7 +94,8 @@ def build_definitions(
     *,
     settings: Settings | None = None,
 ) -> Definitions:
-    """The Definitions object for ``settings`` (default: the environment, read now).
+    """The Definitions object for ``settings`` (default: :meth:`Settings.load`, read now: the
+    environment over the working directory's project settings file).
 
     Tests, the demos and the CLI override single settings with the keywords (``lake_root``,
     ``landing_dir``, ``models_root``, ``base_model_path``, ``settle_seconds``, ``workflows_root``;
@@ -101,7 +103,7 @@ def build_definitions(
     The sensors' interval is not among them: their decorators fixed it when ``sensors`` was
     imported, from :func:`flow_assets.settings.process_settings`.
     """
-    settings = (settings or Settings.from_environ()).replace(
+    settings = (settings or Settings.load()).replace(
         lake=lake_root, landing=landing_dir, models=models_root, base_model=base_model_path, settle_seconds=settle_seconds, workflows=workflows_root,
     )  # fmt: skip
     return Definitions(

@@ -12,12 +12,18 @@ and only watches; the daemon's sensors request every run, its queue launches the
 3. the calculator agent, multi-turn and tool-using, the same way with a daemon of its own (the
    code location's agent and models come from the environment), every rollout through the
    gateway over real HTTP with the official ``openai`` client; finally, in this process, the SFT
-   base and the final champion on every held-out task.
+   base and the final champion on every held-out task;
+4. a live A/B of the SFT base against the champion, decided by ``ab_monitor_sensor``;
+5. ``workflow_proposals_job`` in this process, on everything in the lake: the workflow changes
+   proposed for a person's review (``flowopt proposals list``).
 
-State: the demo's own, under ``.demo/`` (``dagster_home``, ``lake``, ``landing``, ``models``), or
-where ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` / ``FLOWOPT_MODELS`` point; ``make
-ui`` shows the same instance afterwards. The demo starts from a clean state each time so its
-numbers are reproducible, but it only clears directories it created itself (they carry a
+State: the demo's own, under ``.demo/`` (``dagster_home``, ``lake``, ``landing``, ``models``,
+``workflows``), or where ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` /
+``FLOWOPT_MODELS`` / ``FLOWOPT_WORKFLOWS`` point. The demo records where in the project settings
+file ``.flowopt.toml`` of its working directory (:meth:`DemoState.record`), so ``flowopt
+proposals``, ``serve``, ``promote``, ``api``, ``ingest``, ``make ui`` ... run from there find it
+with no variable set. The demo starts from a clean state each time so its numbers are
+reproducible, but it only clears directories it created itself (they carry a
 ``.flowopt-demo`` marker): anything else is deleted only with ``--reset``, and nothing is touched
 before the inputs are found. Policies: the calculator agent's in ``models`` (what ``flowopt serve
 --models .demo/models`` serves afterwards), spell_backward's in ``models/spell_backward``.
@@ -40,7 +46,7 @@ from flow_assets.gateway.serve import serve_policy
 from flow_assets.local import REPO_ROOT, execute_requests, local_instance, run_job, tick_sensor
 from flow_assets.rl.evaluation import compare_policies
 from flow_assets.rounds import EvaluationConfig, evaluate_agents, read_evaluation, read_round_summary
-from flow_assets.settings import Settings
+from flow_assets.settings import PROJECT_FILE, Settings, write_demo_file
 from flow_assets.summary import batch_summary, source_summary
 from flow_assets.training_config import TRAINING_JOB, RoundSettings
 from resources.lake import TrajectoryLake
@@ -98,25 +104,43 @@ class DemoStateError(RuntimeError):
 
 @dataclass(frozen=True)
 class DemoState:
-    """Where the demo keeps its Dagster instance (``home``), lake, landing directory and models:
-    ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` / ``FLOWOPT_MODELS`` where set, else
-    ``root/dagster_home``, ``root/lake``, ``root/landing``, ``root/models`` (absolute paths)."""
+    """Where the demo keeps its Dagster instance (``home``), lake, landing directory, models and
+    workflow definitions: ``DAGSTER_HOME`` / ``FLOWOPT_LAKE`` / ``FLOWOPT_LANDING`` /
+    ``FLOWOPT_MODELS`` / ``FLOWOPT_WORKFLOWS`` where set, else ``root/dagster_home``,
+    ``root/lake``, ``root/landing``, ``root/models``, ``root/workflows`` (absolute paths).
+    ``workflows`` ``None``: ``workflows`` beside ``models`` (a state built by hand)."""
 
     home: Path
     lake: Path
     landing: Path
     models: Path
+    workflows: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.workflows is None:
+            object.__setattr__(self, "workflows", self.models.parent / "workflows")
 
     @classmethod
     def from_settings(cls, settings: Settings, root: str | os.PathLike = ".demo") -> "DemoState":
-        """The state of ``settings``: each of ``dagster_home``, ``lake``, ``landing``, ``models``
-        where its variable is set, else its directory under ``root``."""
+        """The state of ``settings``: each of ``dagster_home``, ``lake``, ``landing``, ``models``,
+        ``workflows`` where its variable is set, else its directory under ``root``. A project
+        settings file is not asked: it is what the demo writes (:meth:`record`), and the state is
+        where ``--state`` says."""
         base = Path(root)
-        pick = lambda field, name: Path(getattr(settings, field) if settings.is_set(field) else base / name).resolve()  # noqa: E731
-        return cls(pick("dagster_home", "dagster_home"), pick("lake", "lake"), pick("landing", "landing"), pick("models", "models"))
+        pick = lambda field, name: Path(getattr(settings, field) if settings.source(field) == "environment" else base / name).resolve()  # noqa: E731
+        return cls(pick("dagster_home", "dagster_home"), pick("lake", "lake"), pick("landing", "landing"), pick("models", "models"),
+                   pick("workflows", "workflows"))  # fmt: skip
 
     def directories(self) -> tuple[Path, ...]:
-        return (self.home, self.lake, self.landing, self.models)
+        return (self.home, self.lake, self.landing, self.models, self.workflows)
+
+    def record(self, directory: str | os.PathLike = ".") -> Path | None:
+        """Write the project settings file ``directory/.flowopt.toml`` naming these directories,
+        so that every command run from ``directory`` finds this state without a variable
+        (:func:`flow_assets.settings.write_demo_file`). Returns the file, or ``None`` when
+        ``directory`` holds a settings file of a person's (left untouched)."""
+        return write_demo_file(directory, {"dagster_home": self.home, "lake": self.lake, "landing": self.landing, "models": self.models,
+                                           "workflows": self.workflows})  # fmt: skip
 
     def foreign(self) -> list[Path]:
         """Directories holding state without the demo's marker (someone else's data)."""
@@ -135,7 +159,7 @@ class DemoState:
             listing = "; ".join(f"{d} ({len(_state_entries(d))} entries)" for d in foreign)
             raise DemoStateError(
                 f"not the demo's state: {listing}. Pass --reset to delete it and start over, or point DAGSTER_HOME / "
-                "FLOWOPT_LAKE / FLOWOPT_LANDING / FLOWOPT_MODELS elsewhere (unset, the demo uses .demo/)"
+                "FLOWOPT_LAKE / FLOWOPT_LANDING / FLOWOPT_MODELS / FLOWOPT_WORKFLOWS elsewhere (unset, the demo uses .demo/)"
             )
         for directory in self.directories():
             directory.mkdir(parents=True, exist_ok=True)
@@ -355,6 +379,7 @@ def phase_env(state: DemoState, phase: Phase, run_config_path: Path) -> dict[str
         "FLOWOPT_LAKE": str(state.lake),
         "FLOWOPT_LANDING": str(state.landing),
         "FLOWOPT_MODELS": str(phase.models),
+        "FLOWOPT_WORKFLOWS": str(state.workflows),
         "FLOWOPT_TASKS": phase.kind,
         "FLOWOPT_SETTLE_SECONDS": "0",  # the demo lands files by rename only
         "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1",  # the daemon's loop still ticks every 5 s
@@ -562,6 +587,56 @@ def run_ab_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase,
     }
 
 
+def run_workflow_proposals(state: DemoState, instance, settings: Settings) -> dict:
+    """``workflow_proposals_job`` in this process, recorded on ``instance``, on every batch in
+    ``state``'s lake; its proposals go to ``state.workflows`` for a person to review with
+    ``flowopt proposals`` (none is applied). Prints one line per open proposal.
+
+    Returns:
+        the report's ``workflows`` object: ``run_id``, ``agents`` (``{agent: definition
+        version}``), ``derived_definitions`` (agents whose definition was derived now), ``open``,
+        ``proposals`` (``id``, ``agent_id``, ``rule``, ``step_id``, ``effect`` with its interval
+        ``[low, high]``, ``n_trajectories``), ``directory`` and ``seconds``.
+
+    Raises:
+        RuntimeError: the run failed (the message names it).
+    """
+    from dagster import AssetKey
+
+    from flow_assets.workflows.definition import WorkflowStore
+    from flow_assets.workflows.review import ProposalBoard
+
+    started = time.perf_counter()
+    defs = build_definitions(str(state.lake), str(state.landing), models_root=str(state.models), workflows_root=str(state.workflows),
+                             settle_seconds=0, settings=settings)  # fmt: skip
+    result = run_job(defs, instance, "workflow_proposals_job")
+    if not result.success:
+        raise RuntimeError(f"workflow_proposals_job failed (run {result.run_id})")
+    meta = instance.get_latest_materialization_event(AssetKey("workflow_proposals")).asset_materialization.metadata
+    found = ProposalBoard(WorkflowStore(state.workflows)).find(status="open")
+    proposals = [
+        {"id": p.id, "agent_id": p.agent_id, "rule": p.rule, "step_id": p.step_id, "effect": p.evidence.effect,
+         "interval": [p.evidence.effect_low, p.evidence.effect_high], "n_trajectories": p.evidence.n_trajectories}
+        for p in found
+    ]  # fmt: skip
+    seconds = time.perf_counter() - started
+    agents = meta["agents"].value
+    print(f"\nworkflow proposals (workflow_proposals_job, run {result.run_id[:8]}): {len(agents)} agents' workflows, "
+          f"{len(proposals)} open proposal(s) for review ({seconds:.1f} s); `flowopt proposals list` shows them", flush=True)  # fmt: skip
+    for p in proposals:
+        print(f"  {p['id']}  {p['agent_id']}  {p['rule']} {p['step_id']}  effect {p['effect']:+.3f} "
+              f"[{p['interval'][0]:+.3f}, {p['interval'][1]:+.3f}]  n={p['n_trajectories']}")  # fmt: skip
+    return {
+        "run_id": result.run_id,
+        "agents": agents,
+        "derived_definitions": meta["derived_definitions"].value,
+        "open": len(proposals),
+        "proposals": proposals,
+        "directory": str(state.workflows),
+        "seconds": round(seconds, 2),
+    }
+
+
 def run_demo(
     state: DemoState | None = None,
     data_dir: Path = SHARED_DATA,
@@ -570,11 +645,13 @@ def run_demo(
     agent_rounds: int = 8,
     reset: bool = False,
     settings: Settings | None = None,
+    settings_dir: str | os.PathLike = ".",
 ) -> dict:
     """Run the demo in ``state`` (default :meth:`DemoState.from_settings`) and write ``report``;
     returns the report's content. ``reset`` allows deleting state the demo did not create;
     ``settings`` are the environment's (default: read now) for what ``state`` and the demo's own
-    choices leave open.
+    choices leave open; ``settings_dir`` gets the project settings file naming ``state``
+    (:meth:`DemoState.record`; one of a person's is left alone).
 
     Raises:
         FileNotFoundError: ``data_dir`` is missing (checked before anything is touched).
@@ -582,13 +659,18 @@ def run_demo(
         RuntimeError: a batch of the real logs or a round failed (the message names it).
     """
     started = time.perf_counter()
-    settings = settings or Settings.from_environ()
+    settings = settings or Settings.load()
     state = state or DemoState.from_settings(settings)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"real agent logs not found at {data_dir} (nothing was changed)")
     state.prepare(reset)
     home, lake_root, landing_dir, models_root = state.home, state.lake, state.landing, state.models
     print(f"flowopt demo: Dagster instance {home}, lake {lake_root}, models {models_root}", flush=True)
+    # recorded before the first run, so that a demo stopped halfway can be looked at the same way
+    recorded = state.record(settings_dir)
+    print(f"  state recorded in {recorded}: commands run from {Path(settings_dir).resolve()} find it" if recorded else
+          f"  {Path(settings_dir) / PROJECT_FILE} is not the demo's: left as it is; commands find the demo's state only "
+          "with DAGSTER_HOME / FLOWOPT_* set", flush=True)  # fmt: skip
     instance = local_instance(home)
     lake = TrajectoryLake(root=str(lake_root))
 
@@ -634,6 +716,7 @@ def run_demo(
         f"per collected trajectory; {agent_seconds:.0f} s"
     )
     ab = run_ab_phase(state, instance, lake, agent_phase)
+    workflows = run_workflow_proposals(state, instance, settings)
     seconds = time.perf_counter() - started
     content = {
         "data_plane": {
@@ -667,11 +750,14 @@ def run_demo(
             "seconds": round(agent_seconds, 2),
         },
         "ab": ab,
+        "workflows": workflows,
         "seconds": round(seconds, 2),
         "dagster_home": str(home),
+        "settings_file": str(recorded) if recorded else None,
     }
     print(f"\ntotal {seconds:.0f} s")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(content, indent=2) + "\n")
-    print(f"written {report}; `make ui` shows the runs and materialisations; `flowopt serve --models {models_root}` serves the agent's champion")
+    print(f"written {report}; from {Path(settings_dir).resolve()}: `make ui` shows the runs and materialisations, `flowopt serve` serves the "
+          "agent's champion, `flowopt proposals list` the workflow proposals")  # fmt: skip
     return content

@@ -78,7 +78,7 @@ def run_real_demo(
         collect / train / gate_eval: run configs of collection, ``policy_checkpoint`` and the
             gate's ``evaluation_report`` (defaults :data:`COLLECT`, :data:`TRAIN`, :data:`GATE_EVAL`).
         final_tasks: held-out tasks of the final comparison (default: all of them).
-        settings: the environment's settings (default: read now); the state is
+        settings: the settings (default: :meth:`Settings.load`, read now); the state is
             :meth:`DemoState.from_settings` of them.
 
     Raises:
@@ -86,7 +86,7 @@ def run_real_demo(
         RuntimeError: a round failed (the message names it).
     """
     started = time.perf_counter()
-    settings = settings or Settings.from_environ()
+    settings = settings or Settings.load()
     state = DemoState.from_settings(settings)  # beside `flowopt demo`'s runs, in the same instance and lake
     home, lake_root, landing_dir = home or state.home, lake_root or state.lake, landing_dir or state.landing
     models_root = models_root or state.models / PRESET

@@ -1,24 +1,31 @@
-"""flowopt's settings: every environment variable flowopt reads, parsed in one place.
+"""flowopt's settings: every environment variable flowopt reads, and the project settings file,
+parsed in one place.
 
 :class:`Settings` is a frozen object read once at start-up (the CLI's ``main``, the code
 location's ``defs``, a test's own mapping) and passed to what needs it. This module is the only
-one in ``flow_assets``, ``resources`` and ``sensors`` that touches ``os.environ``
-(``tests/test_settings.py`` enforces it); the variables, their types and defaults are listed in
-``docs/settings.md``. Each default is stated here once: resources and CLI options that have the
-same default import the constant.
+one in ``flow_assets``, ``resources`` and ``sensors`` that touches ``os.environ`` or reads the
+project settings file (``tests/test_settings.py`` enforces the first); the variables, their
+types and defaults are listed in ``docs/settings.md``. Each default is stated here once:
+resources and CLI options that have the same default import the constant.
 
-A variable that is unset or empty takes its default. A value that does not parse raises
-``ValueError`` naming the variable and the value, when the settings are read, not later in a run.
+Layers, first wins: an environment variable, then the project settings file ``.flowopt.toml`` in
+the working directory (:data:`PROJECT_FILE`; ``flowopt demo`` writes one saying where its state
+is), then the built-in default. A variable that is unset or empty takes the next layer. A value
+that does not parse raises ``ValueError`` naming the variable (or the file and key) and the
+value, when the settings are read, not later in a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: default directories, relative to the working directory of the process that reads them
@@ -34,6 +41,12 @@ DEFAULT_DAGSTER_URL = "http://127.0.0.1:3000"
 DEFAULT_MONTHLY_BUDGET_USD = 100.0
 DEFAULT_SETTLE_SECONDS = 10.0
 DEFAULT_SENSOR_INTERVAL_SECONDS = 30
+
+#: the project settings file, looked up in the working directory (the directory relative default
+#: paths are relative to, and the one every documented command runs from: the repository root)
+PROJECT_FILE = ".flowopt.toml"
+#: the first line of a project settings file ``flowopt demo`` wrote (and may replace or delete)
+DEMO_FILE_HEADER = "# written by flowopt demo"
 
 #: the judge's bearer key; Dagster reads it itself (``EnvVar``) so that it never enters run config
 JUDGE_API_KEY_VAR = "FLOWOPT_JUDGE_API_KEY"
@@ -91,9 +104,12 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
-def _var(name: str, default: Any, parse: Callable[[str, str], Any] = _text, **kwargs) -> Any:
-    """A settings field read from environment variable ``name``."""
-    return field(default=default, metadata={"env": name, "parse": parse}, **kwargs)
+def _var(name: str, default: Any, parse: Callable[[str, str], Any] = _text, path: bool = False, secret: bool = False, **kwargs) -> Any:
+    """A settings field read from environment variable ``name`` (else the project file's key of
+    the field's name). ``path``: a relative value in the project file is relative to the file's
+    directory. ``secret``: never read from the project file (a file in a working tree gets
+    committed; tokens and keys come from the environment only)."""
+    return field(default=default, metadata={"env": name, "parse": parse, "path": path, "secret": secret}, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,8 @@ class Settings:
     changes and who reads it). Build it with :meth:`from_environ`; a test or a caller that wants
     other values builds it with keywords (the defaults are the same) or :meth:`replace`.
 
-    Attributes (variable in brackets; paths relative to the working directory):
+    Attributes (variable in brackets; the project file's key is the attribute's name; paths
+    relative to the working directory, or in the project file to the file's directory):
         lake: the Parquet lake [FLOWOPT_LAKE].
         landing: the landing directory of log files [FLOWOPT_LANDING].
         models: base model, adapters, checkpoints, registry [FLOWOPT_MODELS].
@@ -133,39 +150,42 @@ class Settings:
         monthly_budget_usd: an API job's default budget, USD per agent per calendar month, >= 0
             [FLOWOPT_MONTHLY_BUDGET_USD].
         chromium: a Chromium-family browser for ``flowopt ui-tour`` [FLOWOPT_CHROMIUM].
-        given: the fields whose variable was set (non-empty), e.g. to tell "unset" from "set to
-            the default" (:meth:`is_set`).
+        given: the fields whose variable was set (non-empty) or that the project settings file
+            sets, e.g. to tell "unset" from "set to the default" (:meth:`is_set`).
+        from_file: the fields of ``given`` that came from the project settings file (no
+            variable set; :meth:`source`).
     """
 
-    lake: str = _var("FLOWOPT_LAKE", DEFAULT_LAKE)
-    landing: str = _var("FLOWOPT_LANDING", DEFAULT_LANDING)
-    models: str = _var("FLOWOPT_MODELS", DEFAULT_MODELS)
-    workflows: str = _var("FLOWOPT_WORKFLOWS", DEFAULT_WORKFLOWS)
-    exports: str = _var("FLOWOPT_EXPORTS", DEFAULT_EXPORTS)
-    dagster_home: str = _var("DAGSTER_HOME", DEFAULT_DAGSTER_HOME)
-    base_model: str | None = _var("FLOWOPT_BASE_MODEL", None)
+    lake: str = _var("FLOWOPT_LAKE", DEFAULT_LAKE, path=True)
+    landing: str = _var("FLOWOPT_LANDING", DEFAULT_LANDING, path=True)
+    models: str = _var("FLOWOPT_MODELS", DEFAULT_MODELS, path=True)
+    workflows: str = _var("FLOWOPT_WORKFLOWS", DEFAULT_WORKFLOWS, path=True)
+    exports: str = _var("FLOWOPT_EXPORTS", DEFAULT_EXPORTS, path=True)
+    dagster_home: str = _var("DAGSTER_HOME", DEFAULT_DAGSTER_HOME, path=True)
+    base_model: str | None = _var("FLOWOPT_BASE_MODEL", None, path=True)
     tasks: str = _var("FLOWOPT_TASKS", "calculator")
     settle_seconds: float = _var("FLOWOPT_SETTLE_SECONDS", DEFAULT_SETTLE_SECONDS, _number(0.0, unit="seconds"))
     sensor_interval_seconds: int = _var("FLOWOPT_SENSOR_INTERVAL_SECONDS", DEFAULT_SENSOR_INTERVAL_SECONDS, _count(1))
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))
-    run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None)
+    run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
     tracking: str = _var("FLOWOPT_TRACKING", "")
     live_ab: bool = _var("FLOWOPT_LIVE_AB", False, _flag)
     live_ab_share: float = _var("FLOWOPT_LIVE_AB_SHARE", 0.1, _number(0.0, 1.0, open_low=True))
     judge_url: str = _var("FLOWOPT_JUDGE_URL", "")
     judge_model: str = _var("FLOWOPT_JUDGE_MODEL", "")
     judge_mode: str = _var("FLOWOPT_JUDGE_MODE", "relative", _choice("relative", "absolute"))
-    judge_cache: str = _var("FLOWOPT_JUDGE_CACHE", DEFAULT_JUDGE_CACHE)
-    judge_api_key: str | None = _var(JUDGE_API_KEY_VAR, None, repr=False)
+    judge_cache: str = _var("FLOWOPT_JUDGE_CACHE", DEFAULT_JUDGE_CACHE, path=True)
+    judge_api_key: str | None = _var(JUDGE_API_KEY_VAR, None, secret=True, repr=False)
     amqp_url: str = _var("FLOWOPT_AMQP_URL", DEFAULT_AMQP_URL)
-    api_tokens: tuple[str, ...] = _var("FLOWOPT_API_TOKENS", (), _tokens, repr=False)
-    gateway_tokens: tuple[str, ...] = _var("FLOWOPT_GATEWAY_TOKENS", (), _tokens, repr=False)
+    api_tokens: tuple[str, ...] = _var("FLOWOPT_API_TOKENS", (), _tokens, secret=True, repr=False)
+    gateway_tokens: tuple[str, ...] = _var("FLOWOPT_GATEWAY_TOKENS", (), _tokens, secret=True, repr=False)
     dagster_url: str = _var("FLOWOPT_DAGSTER_URL", DEFAULT_DAGSTER_URL)
     policy_input_usd_per_mtok: float = _var("FLOWOPT_POLICY_INPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))
     policy_output_usd_per_mtok: float = _var("FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))
     monthly_budget_usd: float = _var("FLOWOPT_MONTHLY_BUDGET_USD", DEFAULT_MONTHLY_BUDGET_USD, _number(0.0, unit="USD"))
-    chromium: str | None = _var("FLOWOPT_CHROMIUM", None)
+    chromium: str | None = _var("FLOWOPT_CHROMIUM", None, path=True)
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    from_file: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -182,15 +202,37 @@ class Settings:
                 values[f.name] = f.metadata["parse"](f.metadata["env"], raw)
         return cls(**values, given=frozenset(values))
 
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, directory: str | os.PathLike | None = None) -> Settings:
+        """The settings of a process started in ``directory`` (default: the working directory):
+        each field from its variable in ``environ`` (default: this process's environment) where
+        set and non-empty, else from the project settings file ``directory/.flowopt.toml``
+        (:func:`read_project_file`) where it has the field's key, else the default.
+
+        Raises:
+            ValueError: a variable or a key of the file does not parse, the file is not TOML, or
+                it has a key that is no setting or a secret (the message names file and key).
+        """
+        env = cls.from_environ(environ)
+        file_values = read_project_file(Path(directory or ".") / PROJECT_FILE)
+        from_file = {k: v for k, v in file_values.items() if k not in env.given}
+        return dataclasses.replace(env, **from_file, given=env.given | frozenset(from_file), from_file=frozenset(from_file))
+
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (field name to value); ``None`` values are ignored, so a caller
         can pass its optional overrides as they are. A changed field counts as set."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        return dataclasses.replace(self, **changes, given=self.given | frozenset(changes))
+        return dataclasses.replace(self, **changes, given=self.given | frozenset(changes), from_file=self.from_file - frozenset(changes))
 
     def is_set(self, name: str) -> bool:
-        """Whether field ``name`` came from a set variable (or :meth:`replace`), not its default."""
+        """Whether field ``name`` came from a set variable, the project settings file or
+        :meth:`replace`, not its default."""
         return name in self.given
+
+    def source(self, name: str) -> str:
+        """Where field ``name`` came from: ``"environment"`` (a variable, or :meth:`replace`),
+        ``"file"`` (the project settings file) or ``"default"``."""
+        return "file" if name in self.from_file else "environment" if name in self.given else "default"
 
 
 def variables() -> dict[str, str]:
@@ -198,18 +240,94 @@ def variables() -> dict[str, str]:
     return {f.metadata["env"]: f.name for f in dataclasses.fields(Settings) if "env" in f.metadata}
 
 
+def read_project_file(path: str | os.PathLike) -> dict[str, Any]:
+    """``{field: value}`` of the project settings file at ``path`` (``{}`` when there is none):
+    TOML, one ``key = value`` per setting, the key a :class:`Settings` field name (``lake =
+    ".demo/lake"``), the value a string, number or boolean parsed as the field's variable would
+    be. A relative path is relative to the file's directory.
+
+    Raises:
+        ValueError: the file is not TOML; a key is no setting, or a secret (tokens and keys come
+            from the environment only); a value does not parse (the message names file and key).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not a settings file (TOML): {exc}") from None
+    fields = {f.name: f for f in dataclasses.fields(Settings) if "env" in f.metadata}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        f = fields.get(key)
+        if f is None:
+            raise ValueError(f"{path}: {key!r} is not a flowopt setting (known: {', '.join(sorted(fields))})")
+        if f.metadata["secret"]:
+            raise ValueError(f"{path}: {key!r} is a secret; set {f.metadata['env']} in the environment instead")
+        if isinstance(value, bool):
+            raw = "true" if value else "false"
+        elif isinstance(value, (str, int, float)):
+            raw = str(value)
+        else:
+            raise ValueError(f"{path}: {key} = {value!r}: expected a string, a number or a boolean")
+        if raw == "":
+            continue  # as an empty variable: the default
+        if f.metadata["path"]:
+            raw = str(path.parent / Path(raw).expanduser())
+        values[key] = f.metadata["parse"](f"{path}: {key}", raw)
+    return values
+
+
+def write_demo_file(directory: str | os.PathLike, values: Mapping[str, str | os.PathLike]) -> Path | None:
+    """Write the project settings file of ``flowopt demo`` into ``directory``: ``values`` (field
+    name to path) under :data:`DEMO_FILE_HEADER`, each path relative to ``directory`` where it
+    lies under it (the checkout can move). Returns the file, or ``None`` when ``directory``
+    already holds a project settings file the demo did not write (a person's: left as it is).
+    """
+    path = Path(directory) / PROJECT_FILE
+    if path.exists() and not is_demo_file(path):
+        return None
+    base = Path(directory).resolve()
+    lines = [
+        f"{DEMO_FILE_HEADER}: where its state is, for the flowopt and dagster commands run from this directory.",
+        "# A variable set in the environment wins over a line here; `make clean` deletes this file,",
+        "# the next `flowopt demo` rewrites it. docs/settings.md lists the keys.",
+    ]
+    for name, value in values.items():
+        resolved = Path(value).resolve()
+        shown = resolved.relative_to(base) if resolved.is_relative_to(base) else resolved
+        lines.append(f"{name} = {json.dumps(str(shown))}")  # a JSON string of a path is a TOML basic string
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def is_demo_file(path: str | os.PathLike) -> bool:
+    """Whether the project settings file at ``path`` is one ``flowopt demo`` wrote (its header)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().startswith(DEMO_FILE_HEADER)
+    except FileNotFoundError:
+        return False
+
+
 @functools.cache
 def process_settings() -> Settings:
-    """This process's settings, read from its environment the first time they are asked for.
+    """This process's settings (:meth:`Settings.load`: its environment over the project settings
+    file of its working directory), read the first time they are asked for.
 
     For what is fixed when a module is imported (the sensors' ``minimum_interval_seconds``, set
     by their decorators) and the code location's ``defs``: both then see the same read. Anything
     that can take a :class:`Settings` argument takes one instead.
 
     Raises:
-        ValueError: a value does not parse (:meth:`Settings.from_environ`).
+        ValueError: a value does not parse (:meth:`Settings.load`).
     """
-    return Settings.from_environ()
+    return Settings.load()
 
 
 def child_environ(*overrides: Mapping[str, str], **more: str) -> dict[str, str]:
@@ -220,3 +338,30 @@ def child_environ(*overrides: Mapping[str, str], **more: str) -> dict[str, str]:
     for mapping in (*overrides, more):
         env.update(mapping)
     return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flow_assets.settings [FIELD]``: this directory's settings (:meth:`Settings.load`)
+    as JSON ``{field: {"value", "source"}}``, secrets left out; with ``FIELD``, its value alone
+    (what ``make ui`` gives Dagster as ``DAGSTER_HOME``). Exit code 2: a bad setting or field."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings = Settings.load()
+    except ValueError as exc:
+        print(f"flowopt settings: {exc}", file=sys.stderr)
+        return 2
+    shown = {f.name: f for f in dataclasses.fields(Settings) if "env" in f.metadata and not f.metadata["secret"]}
+    if argv:
+        if argv[0] not in shown:
+            print(f"flowopt settings: no setting {argv[0]!r} (known: {', '.join(shown)})", file=sys.stderr)
+            return 2
+        print(getattr(settings, argv[0]) if getattr(settings, argv[0]) is not None else "")
+        return 0
+    print(json.dumps({name: {"value": getattr(settings, name), "source": settings.source(name)} for name in shown}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,9 +54,9 @@ class TourResult:
 
 def find_chromium(settings: Settings | None = None) -> str | None:
     """Path of a Chromium-family browser: ``settings.chromium`` (``FLOWOPT_CHROMIUM``; default
-    settings: the environment, read now) when set and it exists, else the first on ``PATH``,
+    settings: :meth:`Settings.load`, read now) when set and it exists, else the first on ``PATH``,
     else ``None``."""
-    explicit = (settings or Settings.from_environ()).chromium
+    explicit = (settings or Settings.load()).chromium
     if explicit:
         return explicit if Path(explicit).exists() else None
     return next((p for p in map(shutil.which, CHROMIUM_NAMES) if p), None)

@@ -270,7 +270,7 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", se
     from flow_assets.budget import CachedSpend, prices_of
     from resources.lake import TrajectoryLake
 
-    settings = settings or Settings.from_environ()
+    settings = settings or Settings.load()
     lake = TrajectoryLake(root=settings.lake)
     prices = prices_of(settings)
     registry = AdapterRegistry(root=settings.models)

@@ -26,9 +26,9 @@ def gateway_tokens(tokens_file: str | Path | None = None, settings: Settings | N
 
     Raises:
         OSError: ``tokens_file`` cannot be read.
-        ValueError: the environment holds a bad flowopt setting (:meth:`Settings.from_environ`).
+        ValueError: the environment or the project settings file holds a bad flowopt setting (:meth:`Settings.load`).
     """
-    tokens = list((settings or Settings.from_environ()).gateway_tokens)
+    tokens = list((settings or Settings.load()).gateway_tokens)
     if tokens_file is not None:
         lines = Path(tokens_file).read_text(encoding="utf-8").splitlines()
         tokens += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
