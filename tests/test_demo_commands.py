@@ -105,6 +105,23 @@ def test_ingest_then_the_documented_dagster_command_then_proposals_find_the_demo
     assert done.returncode == 0 and done.stdout == "" and "no open proposals" in done.stderr
 
 
+def test_the_demos_workflow_proposals_phase_reports_what_proposals_list_shows(demo_dir):
+    """The demo's last phase (run_demo calls it after the live A/B): workflow_proposals_job in
+    process, on the demo's instance, and the report's ``workflows`` section."""
+    from flow_assets.demo import run_workflow_proposals
+    from flow_assets.local import local_instance
+
+    root, state = demo_dir
+    instance = local_instance(state.home)
+    report = run_workflow_proposals(state, instance, Settings())
+    assert instance.get_run_by_id(report["run_id"]).job_name == "workflow_proposals_job"
+    assert report["agents"] == {"fireact:llama-2-7b-lora": 1} and report["open"] == 1 and Path(report["directory"]) == state.workflows
+    (proposal,) = report["proposals"]
+    assert (proposal["rule"], proposal["step_id"]) == ("remove_broken_step", "reflect") and proposal["interval"][0] <= proposal["effect"]
+    done = _run(root, BIN / "flowopt", "proposals", "list")
+    assert done.stdout.split()[0] == proposal["id"]
+
+
 def test_promote_and_rollback_find_the_champion_and_record_it_in_the_demos_instance(demo_dir):
     root, state = demo_dir
     done = _run(root, BIN / "flowopt", "promote", "--by", "alice")
