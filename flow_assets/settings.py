@@ -115,7 +115,8 @@ def _var(name: str, default: Any, parse: Callable[[str, str], Any] = _text, path
 @dataclass(frozen=True)
 class Settings:
     """Every setting flowopt reads from the environment (``docs/settings.md`` says what each
-    changes and who reads it). Build it with :meth:`from_environ`; a test or a caller that wants
+    changes and who reads it). Build it with :meth:`load` (environment over the project settings
+    file) or :meth:`from_environ` (a mapping of variables alone); a test or a caller that wants
     other values builds it with keywords (the defaults are the same) or :meth:`replace`.
 
     Attributes (variable in brackets; the project file's key is the attribute's name; paths
@@ -189,8 +190,9 @@ class Settings:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """The settings in ``environ`` (default: this process's environment). Variables flowopt
-        does not know are ignored; unset or empty ones take their defaults.
+        """The settings in ``environ`` (default: this process's environment) alone, no project
+        settings file (:meth:`load` adds it). Variables flowopt does not know are ignored; unset
+        or empty ones take their defaults.
 
         Raises:
             ValueError: a value does not parse (the message names the variable and the value).

@@ -47,6 +47,18 @@ def test_only_the_settings_module_reads_the_environment():
     assert found == [], f"read the environment through flow_assets.settings.Settings (or child_environ for a subprocess): {found}"
 
 
+def test_only_the_settings_module_parses_the_project_settings_file():
+    parsers = {"tomllib", "tomli", "toml"}
+    found = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                if path != SETTINGS_MODULE and parsers & set(names):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == [], f"read .flowopt.toml through flow_assets.settings.Settings.load: {found}"
+
+
 def test_every_variable_named_in_the_code_is_a_setting_and_documented():
     known = set(variables())
     named = {}
