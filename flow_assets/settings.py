@@ -127,6 +127,9 @@ class Settings:
         workflows: workflow definitions, proposals, review audit log [FLOWOPT_WORKFLOWS].
         exports: where the API writes trajectory exports [FLOWOPT_EXPORTS].
         dagster_home: the Dagster instance's directory [DAGSTER_HOME].
+        project_file: the project settings file :meth:`load` reads, relative to the working
+            directory [FLOWOPT_PROJECT_FILE]; ``none`` reads none (the test suite sets it, so a
+            demo's ``.flowopt.toml`` in the repository never points a test at the demo's state).
         base_model: a local model directory to train instead of the tiny one [FLOWOPT_BASE_MODEL].
         tasks: the task-source kind of the trainable agent [FLOWOPT_TASKS].
         settle_seconds: seconds a landed file must stay unmodified before the sensor reads it
@@ -163,6 +166,8 @@ class Settings:
     workflows: str = _var("FLOWOPT_WORKFLOWS", DEFAULT_WORKFLOWS, path=True)
     exports: str = _var("FLOWOPT_EXPORTS", DEFAULT_EXPORTS, path=True)
     dagster_home: str = _var("DAGSTER_HOME", DEFAULT_DAGSTER_HOME, path=True)
+    # which project settings file load() reads: environment only (it names the file itself)
+    project_file: str = _var("FLOWOPT_PROJECT_FILE", PROJECT_FILE, secret=True)
     base_model: str | None = _var("FLOWOPT_BASE_MODEL", None, path=True)
     tasks: str = _var("FLOWOPT_TASKS", "calculator")
     settle_seconds: float = _var("FLOWOPT_SETTLE_SECONDS", DEFAULT_SETTLE_SECONDS, _number(0.0, unit="seconds"))
@@ -216,7 +221,9 @@ class Settings:
                 it has a key that is no setting or a secret (the message names file and key).
         """
         env = cls.from_environ(environ)
-        file_values = read_project_file(Path(directory or ".") / PROJECT_FILE)
+        if env.project_file.lower() == "none":
+            return env
+        file_values = read_project_file(Path(directory or ".") / env.project_file)
         from_file = {k: v for k, v in file_values.items() if k not in env.given}
         return dataclasses.replace(env, **from_file, given=env.given | frozenset(from_file), from_file=frozenset(from_file))
 
@@ -267,6 +274,8 @@ def read_project_file(path: str | os.PathLike) -> dict[str, Any]:
         f = fields.get(key)
         if f is None:
             raise ValueError(f"{path}: {key!r} is not a flowopt setting (known: {', '.join(sorted(fields))})")
+        if key == "project_file":
+            raise ValueError(f"{path}: 'project_file' names the settings file itself; set FLOWOPT_PROJECT_FILE in the environment instead")
         if f.metadata["secret"]:
             raise ValueError(f"{path}: {key!r} is a secret; set {f.metadata['env']} in the environment instead")
         if isinstance(value, bool):

@@ -16,6 +16,9 @@ TAU_BENCH = SHARED_DATA / "tau-bench" / "gpt-4o-airline.json"
 # Tests land files complete (written, or renamed from .tmp) and tick the sensor at once; the
 # settle time for files written in place has its own test, which sets it.
 os.environ.setdefault("FLOWOPT_SETTLE_SECONDS", "0")
+# A demo run in this repository leaves .flowopt.toml (its state's paths) here; the tests never read
+# it, so none of them can point at, or write into, the demo's state. Tests of the file pass their own.
+os.environ.setdefault("FLOWOPT_PROJECT_FILE", "none")
 
 
 @pytest.fixture(scope="session")

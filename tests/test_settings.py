@@ -161,3 +161,15 @@ def test_the_cli_refuses_a_bad_setting_before_doing_anything():
     env = {**os.environ, "FLOWOPT_SELF_PLAY_ROUNDS": "three"}
     done = subprocess.run([flowopt, "schema"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "FLOWOPT_SELF_PLAY_ROUNDS" in done.stderr and "'three'" in done.stderr and not done.stdout
+
+
+def test_the_project_file_variable_picks_the_file_or_none(tmp_path):
+    (tmp_path / ".flowopt.toml").write_text('lake = "demo-lake"\n')
+    (tmp_path / "other.toml").write_text('lake = "other-lake"\n')
+    assert Settings.load({}, tmp_path).lake == str((tmp_path / "demo-lake").resolve())
+    assert Settings.load({"FLOWOPT_PROJECT_FILE": "other.toml"}, tmp_path).lake == str((tmp_path / "other-lake").resolve())
+    untouched = Settings.load({"FLOWOPT_PROJECT_FILE": "none"}, tmp_path)
+    assert untouched.lake == DEFAULT_LAKE and untouched.source("lake") == "default"
+    (tmp_path / ".flowopt.toml").write_text('project_file = "x.toml"\n')
+    with pytest.raises(ValueError, match="FLOWOPT_PROJECT_FILE"):
+        Settings.load({}, tmp_path)
