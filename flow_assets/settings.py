@@ -273,7 +273,8 @@ def read_project_file(path: str | os.PathLike) -> dict[str, Any]:
     for key, value in table.items():
         f = fields.get(key)
         if f is None:
-            raise ValueError(f"{path}: {key!r} is not a flowopt setting (known: {', '.join(sorted(fields))})")
+            allowed = sorted(n for n, g in fields.items() if not g.metadata["secret"])  # what a file may set
+            raise ValueError(f"{path}: {key!r} is not a flowopt setting (a file may set: {', '.join(allowed)})")
         if key == "project_file":
             raise ValueError(f"{path}: 'project_file' names the settings file itself; set FLOWOPT_PROJECT_FILE in the environment instead")
         if f.metadata["secret"]:
