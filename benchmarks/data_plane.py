@@ -208,7 +208,7 @@ def job_child(landing: str, work: str) -> dict:
 
     quiet_libraries()
     from flow_assets.definitions import build_definitions
-    from flow_assets.local import execute_requests, local_instance, tick_sensor
+    from flow_assets.runtime.local import execute_requests, local_instance, tick_sensor
     from resources.lake import TrajectoryLake
 
     work_dir = Path(work)

@@ -39,7 +39,7 @@ import openai
 import torch
 
 from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.serve import serve_policy
 
 FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200}
 QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10}
@@ -56,7 +56,7 @@ def _policy(root: Path, sft_steps: int, size: dict | None = None):
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.tiny_model import TinyModelConfig
-    from flow_assets.rounds import build_base_policy
+    from flow_assets.training.rounds import build_base_policy
     from flow_assets.tasks.calculator import CalculatorSource
     from resources.registry import AdapterRegistry
 
@@ -68,8 +68,8 @@ def _policy(root: Path, sft_steps: int, size: dict | None = None):
 
 def agents_8_vs_1(store, pairs: int) -> dict:
     """Seconds for 8 calculator agents and for 1 on the same task, alternating (after a warm-up)."""
-    from flow_assets.agents.builtin import calculator_agent
-    from flow_assets.agents.harness import HarnessConfig, run_rollouts
+    from flow_assets.serving.agents.builtin import calculator_agent
+    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
     from flow_assets.tasks.calculator import CalculatorSource
 
     source = CalculatorSource()
@@ -162,13 +162,13 @@ def smollm2_sampling(work: Path, agents: int = 64) -> dict:
     """Completion tokens/s of SmolLM2-135M-Instruct through the gateway (``agents`` word-problem
     agents at once) and in process (their first-turn prompts in one batch); ``skipped`` without
     the ``smollm2`` extra."""
-    from flow_assets.agents.builtin import word_problem_agent
-    from flow_assets.agents.harness import HarnessConfig, run_rollouts
+    from flow_assets.serving.agents.builtin import word_problem_agent
+    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
     from flow_assets.policy.chat import render_prompt
     from flow_assets.policy.presets import PresetUnavailable, prepare_model
     from flow_assets.policy.sampling import SamplingConfig, sample_token_ids
     from flow_assets.policy.store import PolicyStore
-    from flow_assets.rounds import register_identity_adapter
+    from flow_assets.training.rounds import register_identity_adapter
     from flow_assets.tasks.calculator import CALCULATOR_TOOL
     from flow_assets.tasks.word_problems import WORKED_EXAMPLES, WordProblemSource
     from resources.registry import AdapterRegistry

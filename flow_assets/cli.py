@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from flow_assets.local import local_instance
+from flow_assets.runtime.local import local_instance
 from flow_assets.logs.reader import known_formats
 from flow_assets.settings import DEFAULT_DAGSTER_URL, DEFAULT_LANDING, DEFAULT_MODELS, Settings
 from resources.lake import TrajectoryLake
@@ -17,7 +17,7 @@ from resources.lake import TrajectoryLake
 
 def _ingest(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.definitions import build_definitions
-    from flow_assets.ingest import EXIT_USAGE, IngestUsageError, exit_code, ingest_files, resolve_arguments
+    from flow_assets.logs.ingest import EXIT_USAGE, IngestUsageError, exit_code, ingest_files, resolve_arguments
 
     try:
         files = resolve_arguments(args.paths, args.source)
@@ -46,7 +46,7 @@ def _ingest(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.demo import DemoState, DemoStateError, run_demo
+    from flow_assets.demo.run import DemoState, DemoStateError, run_demo
 
     try:
         run_demo(DemoState.from_settings(settings, args.state), reset=args.reset, settings=settings)
@@ -57,7 +57,7 @@ def _demo(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo_real(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.demo_real import run_real_demo
+    from flow_assets.demo.real import run_real_demo
     from flow_assets.policy.presets import PresetUnavailable
 
     try:
@@ -69,13 +69,13 @@ def _demo_real(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.gateway.app import GatewayConfig
-    from flow_assets.gateway.guard import RequestLimits
-    from flow_assets.gateway.server import check_bind, gateway_tokens, serve_forever
-    from flow_assets.gateway.serve import make_gateway
+    from flow_assets.serving.gateway.app import GatewayConfig
+    from flow_assets.serving.gateway.guard import RequestLimits
+    from flow_assets.serving.gateway.server import check_bind, gateway_tokens, serve_forever
+    from flow_assets.serving.gateway.serve import make_gateway
     from flow_assets.policy.store import PolicyStore
 
-    from flow_assets.ingest import check_source
+    from flow_assets.logs.ingest import check_source
 
     if bad := check_source(args.source):
         print(f"flowopt serve: {bad}", file=sys.stderr)
@@ -192,7 +192,7 @@ def _report_champion(registry, home: str | None, command: str, settings: Setting
     # never the default directory
     home = home or (settings.dagster_home if settings.is_set("dagster_home") else None)
     if home:
-        from flow_assets.champion import champion_materialization
+        from flow_assets.training.champion import champion_materialization
 
         local_instance(home).report_runless_asset_event(champion_materialization(registry.load()))
     else:
@@ -225,7 +225,7 @@ def _registry_show(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _bus_config(args: argparse.Namespace, settings: Settings):
-    from flow_assets.rabbitmq.consumer import BusConfig
+    from flow_assets.bus.consumer import BusConfig
 
     return BusConfig(
         url=args.url or settings.amqp_url,
@@ -239,7 +239,7 @@ def _bus_config(args: argparse.Namespace, settings: Settings):
 def _bus_declare(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
-    from flow_assets.rabbitmq.consumer import BusTopologyError, declare
+    from flow_assets.bus.consumer import BusTopologyError, declare
 
     config = _bus_config(args, settings)
     try:
@@ -254,7 +254,7 @@ def _bus_declare(args: argparse.Namespace, settings: Settings) -> int:
 def _bus_consume(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
-    from flow_assets.rabbitmq.consumer import BusConsumer, BusTopologyError
+    from flow_assets.bus.consumer import BusConsumer, BusTopologyError
 
     config = _bus_config(args, settings)
     taps = ", ".join(f"{config.exchange(k)} -> {config.queue(k)}" for k in ("tasks", "responses", "rewards"))
@@ -275,7 +275,7 @@ def _bus_consume(args: argparse.Namespace, settings: Settings) -> int:
 def _bus_publish(args: argparse.Namespace, settings: Settings) -> int:
     import pika.exceptions
 
-    from flow_assets.rabbitmq.consumer import BusTopologyError, publish
+    from flow_assets.bus.consumer import BusTopologyError, publish
 
     config = _bus_config(args, settings)
     messages = []
@@ -404,8 +404,8 @@ def _quiet_libraries() -> None:
 
 
 def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.demo import DemoState
-    from flow_assets.ui_tour import TourError, tour
+    from flow_assets.demo.run import DemoState
+    from flow_assets.demo.ui_tour import TourError, tour
 
     state = DemoState.from_settings(settings, args.state)
     env = {"DAGSTER_HOME": str(state.home), "FLOWOPT_LAKE": str(state.lake), "FLOWOPT_LANDING": str(state.landing), "FLOWOPT_MODELS": str(state.models),

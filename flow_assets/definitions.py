@@ -13,13 +13,13 @@ judge, tracking and live A/B. ``docs/settings.md`` lists each with its default.
 
 from dagster import Definitions, EnvVar, in_process_executor
 
-from flow_assets.adapter_evaluation import adapter_evaluation
-from flow_assets.data_plane import data_plane_assets, landed_logs
+from flow_assets.training.adapter_evaluation import adapter_evaluation
+from flow_assets.data_plane.assets import data_plane_assets, landed_logs
 from flow_assets.jobs import ab_test_job, adapter_evaluation_job, base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job, workflow_proposals_job
-from flow_assets.live_traffic import live_assets
+from flow_assets.live_ab.assets import live_assets
 from flow_assets.settings import JUDGE_API_KEY_VAR, Settings, process_settings
-from flow_assets.training import training_assets
-from flow_assets.workflow_assets import workflow_assets
+from flow_assets.training.assets import training_assets
+from flow_assets.workflows.assets import workflow_assets
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from resources.loop import TrainingLoop

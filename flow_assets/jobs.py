@@ -2,9 +2,9 @@
 
 from dagster import AssetSelection, define_asset_job
 
-from flow_assets.data_plane import data_plane_assets
-from flow_assets.partitions import adapter_versions, log_batches
-from flow_assets.workflow_assets import workflow_proposals, workflow_step_stats
+from flow_assets.data_plane.assets import data_plane_assets
+from flow_assets.core.partitions import adapter_versions, log_batches
+from flow_assets.workflows.assets import workflow_proposals, workflow_step_stats
 
 #: One log batch through the data plane: interaction_logs -> trajectories -> rewards -> advantages,
 #: and the batch's workflow step statistics (a polars aggregation: tens of milliseconds).

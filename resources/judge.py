@@ -6,12 +6,12 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from flow_assets.rl.judge import DEFAULT_RUBRIC, MODES, JudgeCache, JudgeSettings
+from flow_assets.judge.client import DEFAULT_RUBRIC, MODES, JudgeCache, JudgeSettings
 from flow_assets.settings import DEFAULT_JUDGE_CACHE
 
 
 class JudgeEndpoint(ConfigurableResource):
-    """Where and how the ``rewards`` asset asks its judge (:mod:`flow_assets.rl.judge`).
+    """Where and how the ``rewards`` asset asks its judge (:mod:`flow_assets.judge.client`).
 
     Off by default (``base_url`` empty): rewards come from logged outcomes, shaping terms and
     custom functions only. In a deployment set ``FLOWOPT_JUDGE_URL``, ``FLOWOPT_JUDGE_MODEL`` and,

@@ -447,7 +447,7 @@ class TrajectoryLake(ConfigurableResource):
     def remove_partial_files(self, key: str) -> list[Path]:
         """Delete the temporary files (hidden ``.*.tmp``) that writers of batch ``key`` left when
         their process died: in each table's partition directory and in the batch's snapshot
-        directory. Only for a batch no live process is writing (:mod:`flow_assets.recovery`).
+        directory. Only for a batch no live process is writing (:mod:`flow_assets.runtime.recovery`).
 
         Returns:
             The files removed.

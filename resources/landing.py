@@ -25,7 +25,7 @@ class LogLanding(ConfigurableResource):
             tick, so a file written in place (not ``.tmp`` then rename) is not read half-written.
             A writer that pauses longer and then appends is caught anyway: the batch registered
             from the file's first part is retired when the whole file is registered
-            (:func:`flow_assets.recovery.retire_grown_batches`), so no record lands twice.
+            (:func:`flow_assets.runtime.recovery.retire_grown_batches`), so no record lands twice.
     """
 
     directory: str = Field(default=DEFAULT_LANDING, description="Landing directory for log files.")

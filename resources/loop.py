@@ -9,7 +9,7 @@ from typing import Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from flow_assets.training_config import TRAINING_JOB, round_settings
+from flow_assets.training.run_config import TRAINING_JOB, round_settings
 
 #: the jobs whose runs the sensors launch, i.e. the keys a run-config file may have
 LOOP_JOBS = ("base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job")
@@ -27,8 +27,8 @@ class TrainingLoop(ConfigurableResource):
             that the sensors attach to the runs they request, e.g. the gate's ``max_tasks`` or
             the trainer's learning rate; ``None``: every job's defaults. Its
             ``training_round_job`` entry is read back through
-            :func:`flow_assets.training_config.round_settings` and rebuilt by
-            :func:`~flow_assets.training_config.round_run_config`, so a wrong or renamed field is
+            :func:`flow_assets.training.run_config.round_settings` and rebuilt by
+            :func:`~flow_assets.training.run_config.round_run_config`, so a wrong or renamed field is
             refused when the file is read, naming the file.
     """
 

@@ -26,7 +26,7 @@ from dagster import ConfigurableResource
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flow_assets.atomic import write_json_atomic
+from flow_assets.core.atomic import write_json_atomic
 from flow_assets.settings import DEFAULT_MODELS
 
 #: files that make a directory a PEFT LoRA adapter: the config and one of the weight files

@@ -1,5 +1,5 @@
 """Task sources with verifiers, and the agent that works on them, as a Dagster resource (the
-pure code is ``flow_assets.tasks`` and ``flow_assets.agents``)."""
+pure code is ``flow_assets.tasks`` and ``flow_assets.serving.agents``)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from typing import Any, Literal
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from flow_assets.agents.harness import AgentFn, load_agent
+from flow_assets.serving.agents.harness import AgentFn, load_agent
 from flow_assets.tasks.calculator import CalculatorSource, CalculatorSourceConfig
 from flow_assets.tasks.word_problems import WordProblemSource, WordProblemSourceConfig
 from flow_assets.tasks.sources import JsonlSource, JsonlSourceConfig, ReasoningGymSource, ReasoningGymSourceConfig
 
 #: the built-in agent of each kind of task source
 DEFAULT_AGENTS = {
-    "reasoning_gym": "flow_assets.agents.builtin:one_turn_agent",
-    "jsonl": "flow_assets.agents.builtin:one_turn_agent",
-    "calculator": "flow_assets.agents.builtin:calculator_agent",
-    "word_problems": "flow_assets.agents.builtin:word_problem_agent",
+    "reasoning_gym": "flow_assets.serving.agents.builtin:one_turn_agent",
+    "jsonl": "flow_assets.serving.agents.builtin:one_turn_agent",
+    "calculator": "flow_assets.serving.agents.builtin:calculator_agent",
+    "word_problems": "flow_assets.serving.agents.builtin:word_problem_agent",
 }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import polars as pl
 from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
-from flow_assets.champion import champion_materialization
+from flow_assets.training.champion import champion_materialization
 from flow_assets.jobs import ab_test_job
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry, RegistryError

@@ -8,8 +8,8 @@ from pathlib import Path
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.jobs import log_batch_job
-from flow_assets.partitions import log_batches
-from flow_assets.recovery import batches_to_rerun, recover_dead_runs, retire_grown_batches
+from flow_assets.core.partitions import log_batches
+from flow_assets.runtime.recovery import batches_to_rerun, recover_dead_runs, retire_grown_batches
 from resources.lake import BatchManifest, TrajectoryLake
 from resources.landing import LogLanding
 from flow_assets.logs.landing import batch_key, list_landed, sha256_file

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from dagster import DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
-from flow_assets.recovery import PARTITION_NAME_TAG
-from flow_assets.rounds import landing_source
-from flow_assets.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
+from flow_assets.runtime.recovery import PARTITION_NAME_TAG
+from flow_assets.training.rounds import landing_source
+from flow_assets.core.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource

@@ -4,7 +4,7 @@ A batch qualifies when its ``advantages`` partition is materialised and its traj
 rollouts of the trainable policy (the task source's ``agent_id`` with logged token ids), and the
 blocking data checks of the run that produced it passed (a batch with non-finite advantages
 never reaches training). Batches
-served while a live A/B ran (:func:`flow_assets.live_ab.ab_windows`) are the experiment's evidence
+served while a live A/B ran (:func:`flow_assets.live_ab.evidence.ab_windows`) are the experiment's evidence
 and are not trained on. Batches
 of other agents (e.g. the tau-bench or FireAct logs) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
@@ -12,7 +12,7 @@ a time (pool ``training``), so each starts from the champion the previous round 
 The instance, not only the cursor, says what is done: a batch that already has a run of
 ``training_round_job`` (launched by this sensor, by ``flowopt demo`` or by hand) is never requested
 again, so a daemon started on an instance where rounds ran without it requests nothing already
-done. The one exception is a round whose process died (tagged by :mod:`flow_assets.recovery`):
+done. The one exception is a round whose process died (tagged by :mod:`flow_assets.runtime.recovery`):
 it is requested once more, and resumes from its latest checkpoint.
 """
 
@@ -32,10 +32,10 @@ from dagster import (
     sensor,
 )
 
-from flow_assets.data_checks import DATA_CHECKS, failed_data_checks  # noqa: F401 (re-exported: the sensor's decision, shared with the API)
+from flow_assets.data_plane.checks import DATA_CHECKS, failed_data_checks  # noqa: F401 (re-exported: the sensor's decision, shared with the API)
 from flow_assets.jobs import training_history_job, training_round_job
-from flow_assets.live_ab import ab_windows, served_during_ab
-from flow_assets.recovery import PARTITION_NAME_TAG, batches_to_rerun
+from flow_assets.live_ab.evidence import ab_windows, served_during_ab
+from flow_assets.runtime.recovery import PARTITION_NAME_TAG, batches_to_rerun
 from resources.lake import TrajectoryLake
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry

@@ -43,7 +43,7 @@ def make_policy_dir(root: Path, sft_steps: int = 0, seed: int = 0) -> Path:
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.tiny_model import TinyModelConfig
-    from flow_assets.rounds import build_base_policy
+    from flow_assets.training.rounds import build_base_policy
     from flow_assets.tasks.calculator import CalculatorSource
     from resources.registry import AdapterRegistry
 

@@ -1,4 +1,4 @@
-"""The live A/B decision rule (flow_assets.rl.ab_test): the mSPRT formula against hand
+"""The live A/B decision rule (flow_assets.live_ab.stats): the mSPRT formula against hand
 computations, its always-valid properties, and seeded simulations of the acceptance criterion:
 a challenger truly +10 points better is promoted, -10 points worse rolled back, each within the
 stated number of samples; with no difference, at most 5% of 200 experiments checked after every
@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from flow_assets.rl.ab_test import (
+from flow_assets.live_ab.stats import (
     EXPECTED_MAX_SAMPLES_10PT,
     EXPECTED_MAX_SAMPLES_10PT_SHARE_10,
     TAU2_10PT,

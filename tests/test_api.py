@@ -127,7 +127,7 @@ def test_a_job_is_queued_as_dagster_runs_read_back_listed_and_cancelled(api, cap
 def test_spend_counts_served_tokens_and_judge_cost_per_agent_and_month():
     import polars as pl
 
-    from flow_assets.budget import Prices, agent_spend, month_of
+    from flow_assets.training.budget import Prices, agent_spend, month_of
 
     now = month_of()
     trajectories = pl.LazyFrame({"trajectory_id": ["a", "b", "c", "d"], "agent_id": ["x", "x", "x", "y"],
@@ -146,7 +146,7 @@ def test_spend_counts_served_tokens_and_judge_cost_per_agent_and_month():
 
 
 def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_out(api, tmp_path):
-    from flow_assets.budget import lake_spend
+    from flow_assets.training.budget import lake_spend
     from flow_assets.api.jobs import JobParams, JobService
     from flow_assets.api.jsonrpc import BUDGET_EXCEEDED
     from flow_assets.definitions import build_definitions
@@ -156,7 +156,7 @@ def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_o
     lake = TrajectoryLake(root=os.environ["FLOWOPT_TEST_API_LAKE"])
     spent = lake_spend(lake, "adder")
     assert spent.prompt_tokens == 600 and spent.completion_tokens == 60 and spent.total_usd == pytest.approx((600 * 500 + 60 * 2000) / 1e6)
-    from flow_assets.budget import CachedSpend, prices_of
+    from flow_assets.training.budget import CachedSpend, prices_of
 
     cached = CachedSpend(lake, prices_of())
     first = cached("adder")

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from flow_assets.deployment import Daemon
-from flow_assets.local import execute_requests, run_job, tick_sensor
+from flow_assets.runtime.deployment import Daemon
+from flow_assets.runtime.local import execute_requests, run_job, tick_sensor
 from resources.lake import TrajectoryLake
 from tests.conftest import TAU_BENCH, postgres_database, run_cli
 
@@ -104,7 +104,7 @@ def wait_for(api, daemon: Daemon, job: str, states: set[str], timeout: float = 1
 
 
 def test_a_job_pauses_after_a_step_resumes_from_its_checkpoint_and_completes_beside_a_cancel_a_budget_stop_and_a_failure(deployment):
-    from flow_assets.rounds import read_round_summary
+    from flow_assets.training.rounds import read_round_summary
 
     api, env, instance, collected, tau = deployment
     agent = TrajectoryLake(root=env["FLOWOPT_LAKE"]).read_partition("trajectories", collected)["agent_id"][0]

@@ -204,7 +204,7 @@ def test_metrics_and_the_schema_need_the_token_and_client_method_names_are_no_la
 
 
 def test_a_failed_jobs_reason_names_no_file_of_the_server(api):
-    from flow_assets.run_tags import AGENT_TAG, JOB_TAG, ROUND_TAG
+    from flow_assets.core.run_tags import AGENT_TAG, JOB_TAG, ROUND_TAG
     from resources.lake import TrajectoryLake
 
     lake_root = str(api["lake"].root)
@@ -224,7 +224,7 @@ def test_a_failed_jobs_reason_names_no_file_of_the_server(api):
 
 
 def test_start_grpo_and_resume_refuse_a_batch_whose_blocking_checks_failed_as_the_sensor_does(api):
-    from flow_assets.data_checks import failed_data_checks  # what training_round_sensor decides with
+    from flow_assets.data_plane.checks import failed_data_checks  # what training_round_sensor decides with
 
     instance = api["instance"]
     materialise_advantages(instance, "bad", finite=False)
@@ -247,8 +247,8 @@ def test_start_grpo_and_resume_refuse_a_batch_whose_blocking_checks_failed_as_th
 def test_start_grpo_takes_typed_round_settings_and_submits_the_builders_run_config(api):
     from flow_assets.policy.configs import GRPOTrainerConfig
     from flow_assets.rl.grpo_config import GRPOLossConfig
-    from flow_assets.rounds import EvaluationConfig
-    from flow_assets.training_config import round_run_config
+    from flow_assets.training.rounds import EvaluationConfig
+    from flow_assets.training.run_config import round_run_config
 
     instance = api["instance"]
     instance.add_dynamic_partitions("log_batches", ["typed"])  # a batch no other test fails the checks of

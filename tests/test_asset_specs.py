@@ -74,7 +74,7 @@ def test_descriptions_are_plain_text_where_the_ui_shows_them(defs):
 
 
 def test_every_asset_has_an_owner_and_computed_assets_a_code_version_that_follows_their_source(defs, tmp_path):
-    from flow_assets.versions import code_version
+    from flow_assets.core.versions import code_version
 
     graph = defs.resolve_asset_graph()
     for spec in defs.resolve_all_asset_specs():
@@ -94,7 +94,7 @@ def test_every_asset_has_an_owner_and_computed_assets_a_code_version_that_follow
     sys.path.insert(0, str(tmp_path))
     try:
         before = code_version("flowopt_version_probe")
-        from flow_assets import versions as v
+        from flow_assets.core import versions as v
 
         v._module_files.cache_clear()
         module.write_text("x = 2\n")

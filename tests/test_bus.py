@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from flow_assets.logs.formats.flat import stream_flat
-from flow_assets.rabbitmq.consumer import DEFAULT_URL, BusConfig, landed_ids, publish, quarantine_path
-from flow_assets.rabbitmq.joiner import Delivery, Joiner
-from flow_assets.rabbitmq.messages import message_id, parse_message
+from flow_assets.bus.consumer import DEFAULT_URL, BusConfig, landed_ids, publish, quarantine_path
+from flow_assets.bus.joiner import Delivery, Joiner
+from flow_assets.bus.messages import message_id, parse_message
 
 FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
 
@@ -195,7 +195,7 @@ def test_a_consumer_killed_mid_stream_and_restarted_lands_every_record_exactly_o
     assert stats["landed_records"] == n - before  # the restart landed only what was missing
     # the landed files go through the real data plane: one batch each, N distinct trajectories
     from flow_assets.definitions import build_definitions
-    from flow_assets.local import execute_requests, tick_sensor
+    from flow_assets.runtime.local import execute_requests, tick_sensor
     from resources.lake import TrajectoryLake
 
     defs = build_definitions(str(tmp_path / "lake"), str(landing), models_root=str(tmp_path / "models"), settle_seconds=0)
@@ -233,7 +233,7 @@ def _triples(n: int, tag: str = "") -> list:
 def test_a_message_nested_100000_levels_is_quarantined_and_the_20_triples_behind_it_land(queues, tmp_path):
     import pika
 
-    from flow_assets.rabbitmq.consumer import BusConsumer
+    from flow_assets.bus.consumer import BusConsumer
 
     deep = b'{"task_id": "q0", "response": "x", "agent_id": "a", "metadata": ' + _nested(100_000) + b"}"
     big = json.dumps({"task_id": "q1", "response": "y" * 900_000, "agent_id": "a", "metadata": {}}).encode()
@@ -319,7 +319,7 @@ def _landed(landing: Path) -> list[dict]:
 
 
 def test_flowopt_reads_copies_so_the_worker_and_scorer_get_every_message_through_a_sigkill(queues, tmp_path):
-    from flow_assets.rabbitmq.consumer import declare
+    from flow_assets.bus.consumer import declare
 
     def work(task):
         return f"resp-{task['task_id']}", {"task_id": task["task_id"], "response": str(int(task["input"][8:-3]) + 1), "agent_id": "adder", "metadata": {}}
@@ -374,7 +374,7 @@ def test_flowopt_reads_copies_so_the_worker_and_scorer_get_every_message_through
 def test_an_exchange_of_another_type_is_refused_with_its_name(queues):
     import pika
 
-    from flow_assets.rabbitmq.consumer import BusTopologyError, declare
+    from flow_assets.bus.consumer import BusTopologyError, declare
 
     connection = pika.BlockingConnection(pika.URLParameters(DEFAULT_URL))
     connection.channel().exchange_declare(queues + "tasks", "direct", durable=True)

@@ -1,6 +1,6 @@
 """Capture: a rollout's turns as one canonical trajectory (pure, no server)."""
 
-from flow_assets.gateway.capture import Choice, OpenRollout, RolloutSettings, Turn, build_trajectory
+from flow_assets.serving.gateway.capture import Choice, OpenRollout, RolloutSettings, Turn, build_trajectory
 from flow_assets.logs.schema import Outcome
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "347-43"}'}}
@@ -29,7 +29,7 @@ def test_a_turn_whose_call_did_not_parse_is_an_error_step_with_its_reason_in_the
 
 
 def test_a_rollout_is_not_reaped_while_one_of_its_calls_is_being_served():
-    from flow_assets.gateway.capture import RolloutRecorder
+    from flow_assets.serving.gateway.capture import RolloutRecorder
 
     now = [0.0]
     recorder = RolloutRecorder(timeout_s=1.0, clock=lambda: now[0])

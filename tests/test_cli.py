@@ -9,7 +9,7 @@ from pathlib import Path
 from dagster import DagsterInstance
 
 from flow_assets.logs.reader import parse_file
-from flow_assets.partitions import log_batches
+from flow_assets.core.partitions import log_batches
 from resources.lake import TrajectoryLake
 from tests.conftest import SHARED_DATA, TAU_BENCH, run_cli
 
@@ -239,7 +239,7 @@ def test_serve_explains_a_missing_policy(tmp_path):
 LAND_ONE = """
 import sys
 from pathlib import Path
-from flow_assets.ingest import IngestFile, land
+from flow_assets.logs.ingest import IngestFile, land
 land(IngestFile(Path(sys.argv[1]), "agent", "big.jsonl"), Path(sys.argv[2]))
 """
 

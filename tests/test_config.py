@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInvalidConfigError, job, op
 
-from flow_assets.config import PureConfig, dagster_config, run_config_values
+from flow_assets.core.config import PureConfig, dagster_config, run_config_values
 from flow_assets.policy.configs import GRPOTrainerConfig
 from flow_assets.rl.advantages import AdvantageConfig
 from flow_assets.rl.grpo_config import GRPOLossConfig
 from flow_assets.rl.gate import GateConfig
 from flow_assets.rl.rewards import RewardConfig
-from flow_assets.rounds import EvaluationConfig
-from flow_assets.training_config import EvaluationRunConfig, RoundSettings, TrainConfig, round_run_config, round_settings
+from flow_assets.training.rounds import EvaluationConfig
+from flow_assets.training.run_config import EvaluationRunConfig, RoundSettings, TrainConfig, round_run_config, round_settings
 
 
 def test_generated_config_mirrors_the_dataclass():
@@ -160,7 +160,7 @@ def test_a_rounds_run_config_is_written_only_by_round_run_config():
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     pattern = re.compile(r"""["'](policy_checkpoint|evaluation_report)["']\s*:\s*\{\s*["']config["']""")
     offenders = [
-        f"{name}:{n}" for name in files if name not in ("flow_assets/training_config.py", "tests/test_config.py")
+        f"{name}:{n}" for name in files if name not in ("flow_assets/training/run_config.py", "tests/test_config.py")
         for n, line in enumerate((REPO / name).read_text().splitlines(), 1) if pattern.search(line)
     ]  # fmt: skip
     assert offenders == []

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from flow_assets.gateway.batcher import ContinuousBatcher, GenerationRequest
-from flow_assets.gateway.engine import PolicyEngine
+from flow_assets.serving.gateway.batcher import ContinuousBatcher, GenerationRequest
+from flow_assets.serving.gateway.engine import PolicyEngine
 from flow_assets.policy.decode import DecodeRow, RowDecoder, row_streams
 from flow_assets.policy.lora import LoraAdapterConfig, add_lora_adapter
 from flow_assets.policy.sampling import SamplingConfig, completion_logprobs, sample_token_ids

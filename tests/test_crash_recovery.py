@@ -15,8 +15,8 @@ from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 
 from benchmarks.data_plane import real_records, write_replicated
 from flow_assets.definitions import build_definitions
-from flow_assets.local import execute_requests, tick_sensor
-from flow_assets.recovery import DIED_TAG
+from flow_assets.runtime.local import execute_requests, tick_sensor
+from flow_assets.runtime.recovery import DIED_TAG
 from resources.lake import TrajectoryLake
 from tests.conftest import SHARED_DATA, TAU_BENCH
 

@@ -7,8 +7,8 @@ import pytest
 from dagster import AssetKey
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import execute_requests, tick_sensor
-from flow_assets.summary import batch_summary
+from flow_assets.runtime.local import execute_requests, tick_sensor
+from flow_assets.data_plane.summary import batch_summary
 from resources.lake import TrajectoryLake
 from tests.conftest import TAU_BENCH
 
@@ -152,7 +152,7 @@ def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dag
     """Finite rewards of ±1.7e308 (a custom reward function) overflow the turn-weighted group
     mean (``normalise_over="turn"``: reward × turns), so the advantages are NaN; the blocking check fails the run, and the training sensor declines the
     batch although it holds the trainable agent's trajectories."""
-    from flow_assets.local import run_job
+    from flow_assets.runtime.local import run_job
     from flow_assets.logs.reader import parse_file
     from resources.tasks import TaskSourceResource
     from sensors.training import failed_data_checks
@@ -217,7 +217,7 @@ def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_g
     together = mixed_adv.filter(pl.col("advantage").is_not_null()).select("trajectory_id", "advantage").sort("trajectory_id")
     assert together.equals(alone)
     assert row["groups"] == batch_summary(lake, [key["labelled"]]).to_dicts()[0]["groups"]
-    from flow_assets.ingest import hint
+    from flow_assets.logs.ingest import hint
 
     assert f"{n_unlabelled} of {len(lines)} trajectories carry no outcome" in hint(row)
     steps = lake.read_partition("step_advantages", key["mixed"])
@@ -232,7 +232,7 @@ def test_rewards_with_custom_functions_and_a_judge_stream_in_chunks_and_equal_th
     import socket
 
     from flow_assets.logs import tables
-    from flow_assets.rl.judge import JudgeCache, judge_groups_sync, judgement_table
+    from flow_assets.judge.client import JudgeCache, judge_groups_sync, judgement_table
     from flow_assets.rl.rewards import RewardConfig, custom_rewards, reward_table, trajectory_groups
     from flow_assets.logs.schema import Trajectory
     from resources.judge import JudgeEndpoint

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flow_assets.demo import MARKER, DemoState, DemoStateError, run_demo
+from flow_assets.demo.run import MARKER, DemoState, DemoStateError, run_demo
 from flow_assets.settings import Settings
 
 

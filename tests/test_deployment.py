@@ -8,11 +8,11 @@ import time
 import pytest
 from dagster import AssetKey, DagsterRunStatus
 
-from flow_assets.demo import DemoState, Phase, phase_env, run_phase
-from flow_assets.deployment import Daemon
-from flow_assets.local import local_instance
-from flow_assets.run_launcher import PID_TAG
-from flow_assets.ui_tour import find_chromium, tour
+from flow_assets.demo.run import DemoState, Phase, phase_env, run_phase
+from flow_assets.runtime.deployment import Daemon
+from flow_assets.runtime.local import local_instance
+from flow_assets.runtime.run_launcher import PID_TAG
+from flow_assets.demo.ui_tour import find_chromium, tour
 from resources.lake import TrajectoryLake
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from flow_assets.gateway.app import GatewayConfig
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.sampling import completion_logprobs

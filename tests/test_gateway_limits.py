@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from flow_assets.gateway.app import GatewayConfig, scrub_paths
-from flow_assets.gateway.guard import RequestLimits, json_depth
-from flow_assets.gateway.serve import make_gateway, serve_policy
-from flow_assets.gateway.server import GatewayServer, check_bind, gateway_tokens, is_loopback
+from flow_assets.serving.gateway.app import GatewayConfig, scrub_paths
+from flow_assets.serving.gateway.guard import RequestLimits, json_depth
+from flow_assets.serving.gateway.serve import make_gateway, serve_policy
+from flow_assets.serving.gateway.server import GatewayServer, check_bind, gateway_tokens, is_loopback
 from flow_assets.policy.store import PolicyStore
 from flow_assets.settings import Settings
 from tests.conftest import run_cli

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from flow_assets.gateway.landing import BatchLander
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.landing import BatchLander
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.logs.reader import parse_file
 from flow_assets.logs.schema import Outcome, Trajectory
 from flow_assets.policy.store import PolicyStore

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flow_assets.agents.builtin import calculator_agent, one_turn_agent
-from flow_assets.agents.harness import AgentLoadError, HarnessConfig, load_agent, run_rollouts
+from flow_assets.serving.agents.builtin import calculator_agent, one_turn_agent
+from flow_assets.serving.agents.harness import AgentLoadError, HarnessConfig, load_agent, run_rollouts
 from flow_assets.definitions import build_definitions
-from flow_assets.gateway.app import GatewayConfig
-from flow_assets.gateway.serve import serve_policy
-from flow_assets.local import execute_requests, tick_sensor
+from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.serve import serve_policy
+from flow_assets.runtime.local import execute_requests, tick_sensor
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.rollouts import training_samples
 from flow_assets.policy.sampling import completion_logprobs
@@ -145,7 +145,7 @@ def test_a_batch_collected_at_temperature_0_7_gives_ratio_1_before_the_first_upd
 
 
 def test_agents_are_loaded_by_path_and_checked():
-    assert load_agent("flow_assets.agents.builtin:calculator_agent") is calculator_agent
+    assert load_agent("flow_assets.serving.agents.builtin:calculator_agent") is calculator_agent
     with pytest.raises(AgentLoadError, match="async"):
         load_agent("flow_assets.tasks.calculator:execute_tool_call")
     with pytest.raises(AgentLoadError, match="module:function"):

@@ -8,9 +8,9 @@ import socket
 import polars as pl
 import pytest
 
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.logs.schema import Outcome, Step, Trajectory
-from flow_assets.rl.judge import (
+from flow_assets.judge.client import (
     JudgeCache,
     JudgeError,
     JudgeSettings,
@@ -83,7 +83,7 @@ def test_the_rendering_keeps_task_and_answer_when_cut_and_the_cache_key_follows_
 def test_a_dropped_group_gets_no_reward_and_a_judged_unlabelled_one_does():
     groups = {"1+1": [_trajectory(0, 1, 1, 2, True), _trajectory(1, 1, 1, 3, False)], "2+2": [_trajectory(0, 2, 2, 4), _trajectory(1, 2, 2, 5)],
               "3+3": [_trajectory(0, 3, 3, 6, True), _trajectory(1, 3, 3, 7, False)]}  # fmt: skip
-    from flow_assets.rl.judge import GroupJudgement
+    from flow_assets.judge.client import GroupJudgement
 
     verdicts = [
         GroupJudgement("1+1", {"1+1:0": 0.8, "1+1:1": 0.2}),
@@ -140,7 +140,7 @@ def judge_policy_dir(tmp_path_factory):
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.tiny_model import TinyModelConfig
-    from flow_assets.rounds import build_base_policy
+    from flow_assets.training.rounds import build_base_policy
     from resources.registry import AdapterRegistry
 
     root = tmp_path_factory.mktemp("judge_policy")
@@ -215,7 +215,7 @@ def test_the_rewards_asset_asks_the_judge_and_drops_what_it_cannot_score(judge_p
     from dagster import AssetKey, instance_for_test
 
     from flow_assets.definitions import build_definitions
-    from flow_assets.local import execute_requests, tick_sensor
+    from flow_assets.runtime.local import execute_requests, tick_sensor
     from flow_assets.policy.store import PolicyStore
     from resources.judge import JudgeEndpoint
 

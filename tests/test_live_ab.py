@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
-from flow_assets.gateway.engine import in_challenger_share
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.engine import in_challenger_share
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.store import PolicyStore
 from resources.registry import AdapterRegistry, RegistryError
@@ -128,9 +128,9 @@ def _damaged_adapter(store: PolicyStore, target) -> str:
 def test_live_traffic_through_the_gateway_and_dagster_promotes_the_better_challenger(calculator_policy_dir, tmp_path):
     from dagster import AssetKey, instance_for_test
 
-    from flow_assets.agents.harness import HarnessConfig, run_rollouts_sync
+    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts_sync
     from flow_assets.definitions import build_definitions
-    from flow_assets.local import execute_requests, tick_sensor
+    from flow_assets.runtime.local import execute_requests, tick_sensor
     from resources.live_ab import LiveAB
     from resources.tasks import TaskSourceResource
 
@@ -211,7 +211,7 @@ def test_a_person_can_end_the_ab_either_way_from_the_cli(tmp_path):
 def test_traffic_served_during_a_live_ab_is_found_from_the_registry_history(tmp_path):
     import polars as pl
 
-    from flow_assets.live_ab import ab_windows, served_during_ab
+    from flow_assets.live_ab.evidence import ab_windows, served_during_ab
 
     registry = _registry_with_v1(tmp_path)
     registry.start_challenger("v2", str(tmp_path / "models" / "v2"), {}, 0.5, by="test", reason="trial")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance
 
-from flow_assets.ingest import IngestUsageError, resolve_arguments
-from flow_assets.partitions import log_batches
+from flow_assets.logs.ingest import IngestUsageError, resolve_arguments
+from flow_assets.core.partitions import log_batches
 from tests.conftest import run_cli
 from flow_assets.logs.landing import KEY_COMPONENT_LIMIT, LandedFile, batch_key, key_component, key_source
 from tests.conftest import SHARED_DATA, TAU_BENCH

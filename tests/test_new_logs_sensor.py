@@ -8,8 +8,8 @@ import time
 from dagster import RunRequest, SensorResult, build_sensor_context
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import TickOutcome, execute_requests, run_job
-from flow_assets.partitions import log_batches
+from flow_assets.runtime.local import TickOutcome, execute_requests, run_job
+from flow_assets.core.partitions import log_batches
 from resources.lake import TrajectoryLake
 from resources.landing import LogLanding
 from sensors.new_logs import new_logs_sensor

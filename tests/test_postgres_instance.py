@@ -11,8 +11,8 @@ import pytest
 from dagster import AssetKey, instance_for_test
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import execute_requests, tick_sensor
-from flow_assets.partitions import log_batches
+from flow_assets.runtime.local import execute_requests, tick_sensor
+from flow_assets.core.partitions import log_batches
 from resources.lake import TrajectoryLake
 from tests.conftest import PG_HOST as HOST, PG_PORT as PORT, PG_USER as USER, TAU_BENCH, postgres_database
 

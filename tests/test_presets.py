@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from flow_assets.gateway.serve import serve_policy
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.policy import presets
 from flow_assets.policy.presets import ModelPreset, PresetUnavailable, find_gguf, get_preset, is_prepared, prepare_model
 
@@ -77,7 +77,7 @@ def test_a_tool_call_of_smollm2_round_trips_through_the_gateway(smollm2, tmp_pat
     from flow_assets.logs.schema import Trajectory
     from flow_assets.policy.chat import render_prompt
     from flow_assets.policy.store import PolicyStore
-    from flow_assets.rounds import register_identity_adapter
+    from flow_assets.training.rounds import register_identity_adapter
     from flow_assets.tasks.calculator import CALCULATOR_TOOL, calculator, execute_tool_call
     from flow_assets.tasks.word_problems import WORKED_EXAMPLES
     from resources.registry import AdapterRegistry

@@ -10,7 +10,7 @@ import pytest
 import pyarrow.parquet as pq
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import execute_requests, tick_sensor
+from flow_assets.runtime.local import execute_requests, tick_sensor
 from flow_assets.logs.reader import parse_file
 from flow_assets.logs.redact import RedactionConfig, redact_line
 from resources.lake import TrajectoryLake
@@ -175,7 +175,7 @@ def test_a_gzip_log_is_redacted_and_stays_gzip(tmp_path, dagster_instance):
     assert not any(s.encode() in text for s in SECRETS) and b"[REDACTED:password]" in text
     assert lake.read_partition("trajectories", key).height == 200
     shutil.rmtree(landing)  # the batch re-materialises from its redacted copy alone
-    from flow_assets.local import run_job
+    from flow_assets.runtime.local import run_job
 
     assert run_job(defs, dagster_instance, "log_batch_job", key).success
 

@@ -4,8 +4,8 @@ batch whose blocking data checks failed, as the sensor and the training API do."
 from dagster import AssetCheckResult, AssetCheckSpec, Config, MaterializeResult, asset, materialize
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import failure_messages, run_job
-from flow_assets.partitions import log_batches
+from flow_assets.runtime.local import failure_messages, run_job
+from flow_assets.core.partitions import log_batches
 
 
 class Checked(Config):

@@ -1,7 +1,7 @@
 """The round's typed hand-offs: written and read back unchanged; the gate re-checked from them."""
 
 from flow_assets.rl.gate import GateConfig, GateResult
-from flow_assets.rounds import (
+from flow_assets.training.rounds import (
     EvaluationResult,
     RoundSummary,
     gate_results,

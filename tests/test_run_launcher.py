@@ -15,7 +15,7 @@ from dagster._core.definitions.reconstruct import ReconstructableJob
 from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import serialize_value
 
-from flow_assets.run_launcher import PID_TAG, WARM_TAG, WarmRunLauncher
+from flow_assets.runtime.run_launcher import PID_TAG, WARM_TAG, WarmRunLauncher
 
 JOBS = textwrap.dedent(
     """
@@ -59,7 +59,7 @@ def setup(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text(
-        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.run_launcher\n  class: WarmRunLauncher\n"
+        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
         "  config: {preload_modules: [dagster], spares: 2}\n"
     )
     instance = DagsterInstance.from_config(str(home))
@@ -134,7 +134,7 @@ def test_a_spare_whose_project_code_changed_runs_cold(tmp_path):
     home.mkdir()
     instance = DagsterInstance.from_config(str(home))
     worker = subprocess.Popen(
-        [sys.executable, "-m", "flow_assets.run_launcher", "stale_mod"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "flow_assets.runtime.run_launcher", "stale_mod"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(project)},
     )  # fmt: skip
     worker.stdin.write(serialize_value(instance.get_ref()) + "\n")

@@ -1,11 +1,11 @@
-"""The run-tag protocol (flow_assets/run_tags.py): a blocked round is a typed decision, not a sentence."""
+"""The run-tag protocol (flow_assets/core/run_tags.py): a blocked round is a typed decision, not a sentence."""
 
 from types import SimpleNamespace
 
 from dagster import DagsterRunStatus
 
 from flow_assets.api.jobs import round_status
-from flow_assets.run_tags import GATE_DECISION_TAG, GATE_TAG, GateDecision, attempt, gate_blocked
+from flow_assets.core.run_tags import GATE_DECISION_TAG, GATE_TAG, GateDecision, attempt, gate_blocked
 
 
 def test_the_decision_tag_decides_whatever_the_sentence_says():

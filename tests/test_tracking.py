@@ -4,7 +4,7 @@ with their own readers; off by default."""
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from flow_assets.tracking import MLflowTracker, NullTracker, TensorBoardTracker, TrackingError, flat_params, open_tracker
+from flow_assets.training.tracking import MLflowTracker, NullTracker, TensorBoardTracker, TrackingError, flat_params, open_tracker
 
 
 def scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

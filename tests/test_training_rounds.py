@@ -20,9 +20,9 @@ from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter, DagsterInstance
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from flow_assets.definitions import build_definitions
-from flow_assets.local import execute_requests, run_job, tick_sensor
-from flow_assets.rounds import EvaluationResult, RoundSummary, read_evaluation, read_round_summary
-from flow_assets.training_config import RoundSettings
+from flow_assets.runtime.local import execute_requests, run_job, tick_sensor
+from flow_assets.training.rounds import EvaluationResult, RoundSummary, read_evaluation, read_round_summary
+from flow_assets.training.run_config import RoundSettings
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
@@ -345,7 +345,7 @@ def test_an_api_job_paused_mid_round_stops_after_a_step_and_resumes_from_its_che
     step, checkpoints it and stops (the job reads paused); resume submits a second attempt, which
     continues from that checkpoint to the end (the job reads completed)."""
     from flow_assets.api.jobs import JobParams, JobService, StartGrpoParams
-    from flow_assets.run_tags import JOB_TAG, pause_key
+    from flow_assets.core.run_tags import JOB_TAG, pause_key
     from flow_assets.api.jsonrpc import INVALID_STATE, RpcError
 
     key = world.collect()
@@ -389,7 +389,7 @@ def test_training_evaluate_runs_one_version_on_the_held_out_tasks_the_gate_used(
     v0's as the champion side of the first round's evaluation on the same tasks."""
     from flow_assets.api.jobs import EvaluateParams, JobService, ListJobsParams
     from flow_assets.api.jsonrpc import INVALID_PARAMS, RpcError
-    from flow_assets.partitions import adapter_versions
+    from flow_assets.core.partitions import adapter_versions
 
     first = next((k for k in sorted(world.instance.get_materialized_partitions(AssetKey("evaluation_report")))
                   if world.round_files(k)[0].parent_version == "v0"), None)  # fmt: skip

@@ -44,12 +44,12 @@ def test_the_gateway_serves_smollm2_through_vllm_with_a_lora_adapter(tmp_path):
     import httpx
     import openai
 
-    from flow_assets.gateway.serve import serve_policy
+    from flow_assets.serving.gateway.serve import serve_policy
     from flow_assets.logs.schema import Trajectory
     from flow_assets.policy.presets import prepare_model
     from flow_assets.policy.sampling import completion_logprobs
     from flow_assets.policy.store import PolicyStore
-    from flow_assets.rounds import register_identity_adapter
+    from flow_assets.training.rounds import register_identity_adapter
     from flow_assets.tasks.calculator import CALCULATOR_TOOL
     from flow_assets.tasks.word_problems import WORKED_EXAMPLES
     from resources.registry import AdapterRegistry

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from flow_assets.local import stop_process_group
+from flow_assets.runtime.local import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 QUERY = """{ workspaceOrError { ... on Workspace { locationEntries { name

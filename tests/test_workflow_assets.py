@@ -8,7 +8,7 @@ import pytest
 from dagster import AssetKey, instance_for_test
 
 from flow_assets.definitions import build_definitions
-from flow_assets.ingest import ingest_files, resolve_arguments
+from flow_assets.logs.ingest import ingest_files, resolve_arguments
 from flow_assets.workflows.definition import WorkflowStore
 from flow_assets.workflows.review import ProposalBoard
 from resources.lake import TrajectoryLake

@@ -18,14 +18,14 @@ cancelled   a run was cancelled (by ``training.cancel`` or in the UI)
 
 ``rounds`` counts finished rounds and which were promoted or blocked (the gate's verdict is the
 run tag ``flowopt/gate``). Budget: ``start_grpo`` refuses (-32003) when the agent has spent its
-monthly budget (:mod:`flow_assets.budget`); each round checks it again when it starts
+monthly budget (:mod:`flow_assets.training.budget`); each round checks it again when it starts
 (``policy_checkpoint``) and fails with the run tag ``flowopt/job_failure = budget``, so a job
 whose budget runs out stops at the next round boundary, state ``failed``, reason ``budget``.
 
 Data checks: a batch whose blocking data checks failed (``advantages_finite``,
 ``records_conserved``) is never trained on, on this path as on the sensor's: ``start_grpo``
 refuses it (-32602 naming the batch and the check) and ``resume`` refuses to resubmit a round on
-one (-32004); both ask :func:`flow_assets.data_checks.failed_data_checks`, the function
+one (-32004); both ask :func:`flow_assets.data_plane.checks.failed_data_checks`, the function
 ``training_round_sensor`` decides with.
 """
 
@@ -42,8 +42,8 @@ from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, Failure
 from pydantic import BaseModel, Field
 
 from flow_assets.api.jsonrpc import BUDGET_EXCEEDED, INVALID_PARAMS, INVALID_STATE, UNKNOWN_JOB, RpcError, scrub_paths
-from flow_assets.data_checks import failed_data_checks
-from flow_assets.run_tags import (
+from flow_assets.data_plane.checks import failed_data_checks
+from flow_assets.core.run_tags import (
     AGENT_TAG,
     ATTEMPT_TAG,
     BUDGET_TAG,
@@ -58,7 +58,7 @@ from flow_assets.run_tags import (
     pause_key,
     pause_requested,
 )
-from flow_assets.training_config import TRAINING_JOB, RoundSettings
+from flow_assets.training.run_config import TRAINING_JOB, RoundSettings
 
 log = logging.getLogger("flowopt.api")
 
@@ -79,7 +79,7 @@ def latest_per_round(runs: list) -> list:
 
 def round_status(run) -> DagsterRunStatus:
     """A round's status as its job counts it: a run that failed only because the gate's blocking
-    check refused the candidate (:func:`~flow_assets.run_tags.gate_blocked`) finished its round
+    check refused the candidate (:func:`~flow_assets.core.run_tags.gate_blocked`) finished its round
     as designed, so it counts as ``SUCCESS``; every other status is the run's own."""
     if run.status == DagsterRunStatus.FAILURE and gate_blocked(run.tags):
         return DagsterRunStatus.SUCCESS
@@ -96,7 +96,7 @@ _FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatu
 class StartGrpoParams(BaseModel):
     """``training.start_grpo``: train ``agent_id``'s policy on ``log_batches`` (partition keys, in
     order, one round each), with the round's settings ``config`` (``{"trainer": {...},
-    "evaluation": {...}}``, :class:`~flow_assets.training_config.RoundSettings`; defaults where left out)."""
+    "evaluation": {...}}``, :class:`~flow_assets.training.run_config.RoundSettings`; defaults where left out)."""
 
     agent_id: str = Field(min_length=1, max_length=200)
     log_batches: list[str] = Field(min_length=1, max_length=1000)
@@ -154,7 +154,7 @@ class JobService:
             ``submit_job_execution`` in a deployment).
         terminate: ``terminate(run_ids)`` (the GraphQL client's ``terminate_runs``).
         partitions: ``() -> set of log batch keys`` that exist.
-        spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.budget`).
+        spend: ``spend(agent_id) -> Spend`` this calendar month (:mod:`flow_assets.training.budget`).
         default_budget_usd: an agent's monthly budget when a job names none, USD.
         lake: the trajectory lake (exports read it).
         versions: ``versions(version) -> bool``, whether the adapter registry holds ``version``

@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from flow_assets.untrusted import scrub_paths  # noqa: F401 (re-exported: the API's handlers scrub with it)
+from flow_assets.core.untrusted import scrub_paths  # noqa: F401 (re-exported: the API's handlers scrub with it)
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600

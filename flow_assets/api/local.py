@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from flow_assets.local import REPO_ROOT, stop_process_group
+from flow_assets.runtime.local import REPO_ROOT, stop_process_group
 from flow_assets.settings import Settings, child_environ
 
 _JOBS_QUERY = "{ workspaceOrError { ... on Workspace { locationEntries { locationOrLoadError { ... on RepositoryLocation { repositories { jobs { name } } } } } } } }"
@@ -52,7 +52,7 @@ def local_api(home: Path, env: dict[str, str], tokens: list[str], export_dir: Pa
     import uvicorn
 
     from flow_assets.api.server import create_app, deployment_service, training_dispatcher
-    from flow_assets.local import local_instance
+    from flow_assets.runtime.local import local_instance
 
     web_port = free_port()
     web_env = child_environ(env, DAGSTER_HOME=str(home))

@@ -37,7 +37,7 @@ from flow_assets.api.export import ExportParams, export_trajectories
 from flow_assets.api.jobs import EvaluateParams, JobParams, JobService, ListJobsParams, StartGrpoParams, log_event
 from flow_assets.api.jsonrpc import DEFAULT_MAX_BATCH, INVALID_REQUEST, UNAUTHORISED, Dispatcher
 from flow_assets.settings import DEFAULT_EXPORTS, Settings
-from flow_assets.untrusted import authorised
+from flow_assets.core.untrusted import authorised
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", se
 
     from dagster_graphql import DagsterGraphQLClient
 
-    from flow_assets.partitions import adapter_versions, log_batches
+    from flow_assets.core.partitions import adapter_versions, log_batches
     from resources.registry import AdapterRegistry
 
     url = urlparse(dagster_url)
@@ -267,7 +267,7 @@ def deployment_service(instance, dagster_url: str, location: str = "flowopt", se
     def submit(job_name, run_config, tags):
         return client.submit_job_execution(job_name, repository_location_name=location, run_config=run_config, tags=tags)
 
-    from flow_assets.budget import CachedSpend, prices_of
+    from flow_assets.training.budget import CachedSpend, prices_of
     from resources.lake import TrajectoryLake
 
     settings = settings or Settings.load()

@@ -41,7 +41,7 @@ from flow_assets.logs.formats.common import (
 from flow_assets.logs.reader import BLANK, LINE_CONVERTERS, resolve_format, stream_file
 from flow_assets.logs.records import UnreadableLogError
 from flow_assets.logs.tables import CHUNK_BYTES, CHUNK_RECORDS, RecordChunk, chunk_records, valid_records_frame
-from flow_assets.worker_lifetime import die_with_parent
+from flow_assets.core.worker_lifetime import die_with_parent
 
 #: ``workers=0`` (auto) uses worker processes only for a file at least this large (bytes): below
 #: it, starting them costs more than they save.

@@ -100,7 +100,7 @@ def ingest_temporary(dest: Path) -> Path:
 def remove_stale_temporaries(landing_dir: Path, min_age_s: float = STALE_TEMPORARY_SECONDS) -> list[Path]:
     """Remove the temporaries of ``flowopt ingest`` copies that died (``kill -9``) under
     ``landing_dir``: only names of :func:`ingest_temporary`'s form, only when no process holds
-    their lock (a live copy does: :func:`flow_assets.ingest.land`) and their mtime is at least
+    their lock (a live copy does: :func:`flow_assets.logs.ingest.land`) and their mtime is at least
     ``min_age_s`` seconds old (a copy that has just created its file may not hold the lock yet).
     Other hidden or ``.tmp`` files (a gateway's open batch, a writer's) are never touched.
 

@@ -77,7 +77,7 @@ class Rollout:
 class TinyModelConfig:
     """Size and initialisation of the tiny policy.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     hidden_size: int = field(default=128, metadata={"description": "width of the residual stream (model dimension)."})
@@ -103,7 +103,7 @@ class TinyModelConfig:
 class SFTConfig:
     """Settings of the supervised warm start.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     steps: int = field(default=150, metadata={"description": (
@@ -153,7 +153,7 @@ class TrainingSample:
 class GRPOTrainerConfig:
     """Settings of one training round (stored verbatim as ``config.json`` in every checkpoint).
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     Names are TRL's ``GRPOConfig`` (and its ``TrainingArguments``) names where TRL has the same
     setting: ``output_dir``, ``learning_rate``, ``weight_decay``, ``num_iterations``,
     ``max_steps``, ``max_grad_norm``, ``seed``, ``save_steps``, and in ``loss`` ``epsilon``,

@@ -4,7 +4,7 @@ A policy's models directory holds its base model (``base/``, unless the user's o
 elsewhere), its LoRA adapters (``adapters/<version>/``), the rounds' files (``runs/<batch>/``) and
 the registry (``registry.json``). :class:`PolicyStore` is that layout plus how to load from it;
 the Dagster resource :class:`resources.policy.PolicyModel` wraps one, and
-:mod:`flow_assets.gateway.serve` serves one.
+:mod:`flow_assets.serving.gateway.serve` serves one.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ import polars as pl
 class AdvantageConfig:
     """How rewards become advantages.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     #: old field name -> new one; a saved run config with an old name is refused, naming the new one

@@ -16,7 +16,7 @@ LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """Settings of the GRPO surrogate; each field's description is its ``metadata["description"]``
-    (:mod:`flow_assets.config`)."""
+    (:mod:`flow_assets.core.config`)."""
 
     #: old field name -> new one; a saved run config with an old name is refused, naming the new one
     RENAMED: ClassVar[dict[str, str]] = {"eps_low": "epsilon", "eps_high": "epsilon_high"}

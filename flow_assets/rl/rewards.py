@@ -10,7 +10,7 @@ For trajectory ``tau`` with steps ``s_1..s_n`` (docs/architecture.md, "The rewar
                 + w_judge * judge(tau)
 
 ``outcome(tau)`` is the logged score when there is one, else 1.0/0.0 from the logged success.
-``judge(tau)`` is the scoring agent's score in [0, 1] (:mod:`flow_assets.rl.judge`) when a judge
+``judge(tau)`` is the scoring agent's score in [0, 1] (:mod:`flow_assets.judge.client`) when a judge
 is configured. A trajectory whose group the judge could not score gets a null reward (no
 gradient), never a zero; a trajectory without a logged outcome is rewarded when the judge scored it.
 Every component is returned on its own so that a user can see which term moved a group.
@@ -25,9 +25,9 @@ from typing import Any
 
 import polars as pl
 
-from flow_assets.imports import import_function
+from flow_assets.core.imports import import_function
 from flow_assets.logs.schema import Trajectory
-from flow_assets.rl.judge import JUDGEMENT_SCHEMA
+from flow_assets.judge.client import JUDGEMENT_SCHEMA
 
 #: A custom reward function: ``fn(trajectory: Trajectory) -> float``. It receives the validated
 #: canonical trajectory (query, steps, final_answer, outcome, metadata) and returns one finite
@@ -44,7 +44,7 @@ class RewardFunctionError(ValueError):
 class RewardConfig:
     """Weights of the reward terms. The defaults are the formula of docs/architecture.md, "The reward".
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     outcome: float = field(default=1.0, metadata={"description": (
@@ -235,7 +235,7 @@ def group_chunks(records: pl.DataFrame | pl.LazyFrame, max_trajectories: int) ->
 def trajectory_groups(records: Iterable[str]) -> dict[str, list[Trajectory]]:
     """Canonical trajectory JSON validated and grouped by ``task_id``: ``task_id -> its
     trajectories``, groups in the order of their first record, trajectories in record order
-    (what :func:`flow_assets.rl.judge.judge_groups` takes).
+    (what :func:`flow_assets.judge.client.judge_groups` takes).
 
     Raises:
         pydantic.ValidationError: a record is not a valid canonical trajectory.
@@ -262,7 +262,7 @@ def reward_table(
         steps: one row per step with ``trajectory_id, kind, status`` (the ``steps`` table); a
             lazy frame is aggregated by the streaming engine, reading only those columns.
         custom: ``trajectory_id -> custom reward`` from :func:`custom_rewards`.
-        judge: the scoring agent's verdicts (:func:`flow_assets.rl.judge.judgement_table`:
+        judge: the scoring agent's verdicts (:func:`flow_assets.judge.client.judgement_table`:
             ``trajectory_id, judge_score, judge_error``), or None without a judge.
 
     Returns:

@@ -3,5 +3,6 @@ proposed changes as JSON Patch (RFC 6902) with their evidence, and a person's re
 
 Pure code (no Dagster): ``definition`` (the format and its versioned store), ``derive`` (a
 definition from what the logs show), ``stats`` (per-step statistics), ``proposals`` (the rules
-that propose changes), ``review`` (approve / reject, audit log). See ``docs/workflows.md``.
+that propose changes), ``review`` (approve / reject, audit log); and
+``assets``, the thin Dagster assets on top. See ``docs/workflows.md``.
 """

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flow_assets.atomic import write_json_atomic
+from flow_assets.core.atomic import write_json_atomic
 from flow_assets.settings import DEFAULT_WORKFLOWS
 
 WORKFLOW_FORMAT = "flowopt.workflow/v1"

@@ -24,7 +24,7 @@ from flow_assets.workflows.stats import StepStatsConfig, outcomes, tool_calls, t
 class DeriveConfig:
     """How a definition is read off the logs.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     min_trajectories: int = field(default=2, metadata={"description": (

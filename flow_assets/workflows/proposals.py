@@ -57,7 +57,7 @@ _CAVEAT = {
 class ProposalConfig:
     """The minimum of evidence behind a proposal, and how comparisons are made.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     comparison: Literal["within_task", "pooled"] = field(default="within_task", metadata={"description": (

@@ -82,7 +82,7 @@ Rates of an empty group are null.
 class StepStatsConfig:
     """How step statistics are computed.
 
-    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.config`).
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
     """
 
     z: float = field(default=Z_95, metadata={"description": (

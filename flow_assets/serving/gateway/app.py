@@ -1,0 +1,510 @@
+"""The policy gateway: an OpenAI-compatible chat completion server that records every rollout.
+
+Routes (all JSON; errors in OpenAI's shape, never a stack trace):
+
+    GET  /v1/models                         the model names served (policy, champion, candidate, v0...)
+    POST /v1/chat/completions               a chat completion (non-streaming)
+    POST /rollouts/{id}/v1/chat/completions the same, captured under rollout ``id`` (for clients
+                                            that cannot set the ``X-Agent-ID`` header)
+    POST /rollouts                          open one rollout or a list of them (task, batch,
+                                            sampling overrides; optional: a call with an unknown
+                                            ``X-Agent-ID`` opens one with defaults)
+    POST /rollouts/{id}/finish              close it with its outcome; it lands as a trajectory
+    POST /batches/{name}/close              land an open batch now (``.tmp`` renamed)
+    GET  /health                            counters (the only route that never needs a token)
+    GET  /metrics                           Prometheus text: requests, latency, tokens per adapter
+
+Live A/B: while the registry has a challenger, ``model="policy"`` is served by the challenger
+for its share of sessions (``X-Session-ID`` header, else the request's ``user``, else the
+rollout id; a call with none of them gets the champion) and by the champion otherwise; every
+response says which in ``X-Flowopt-Adapter-Version`` and every captured turn records it.
+
+A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
+is rendered with the policy's chat template, sampled by the batcher (continuous batching), its tool calls are
+parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
+(:mod:`flow_assets.serving.gateway.capture`).
+
+In front of every route (:mod:`flow_assets.serving.gateway.guard`): bearer tokens when the gateway has
+them (a gateway bound beyond loopback must), a body size cap (413), a body read timeout (408) and
+a JSON nesting cap (400). Client-visible errors never carry a filesystem path: an unexpected
+error is logged with an id and answered with that id only. The chat template is rendered and
+tokenised off the event loop, after a cheap length check that refuses (400,
+``context_length_exceeded``) messages too long for the context whatever their tokens, so one
+large request does not hold up the others.
+
+At start-up the gateway lands the open batches of a gateway that died in its landing directory
+(:meth:`~flow_assets.serving.gateway.landing.BatchLander.recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flow_assets.serving.gateway.batcher import ContinuousBatcher, DynamicBatcher, GenerationRequest
+from flow_assets.core.untrusted import scrub_paths
+from flow_assets.serving.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
+from flow_assets.serving.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
+from flow_assets.serving.gateway.guard import RequestGuard, RequestLimits
+from flow_assets.serving.gateway.landing import BatchLander, RecoveredBatch, check_name
+from flow_assets.serving.gateway.protocol import (
+    ChatCompletionRequest,
+    RolloutFinish,
+    RolloutOpen,
+    error_body,
+    validation_message,
+)
+from flow_assets.logs.schema import Outcome
+from flow_assets.policy.chat import render_prompt
+from flow_assets.policy.tool_calls import parse_tool_calls
+
+log = logging.getLogger("flowopt.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of one gateway.
+
+    Attributes:
+        max_batch_rows: most sequences generated together (dynamic batching).
+        max_wait_ms: how long the batcher waits for one more request, milliseconds.
+        default_max_tokens: completion cap when a request sets none (also capped by the context).
+        rollout_timeout_s: a rollout idle this long (no call, no finish) lands as an error.
+        batch_max_trajectories / batch_flush_seconds: when the rolling batch (rollouts that name
+            no batch) closes.
+        source: landing sub-directory of the rolling batch.
+        reap_every_s: how often idle rollouts and due batches are checked, seconds.
+        seed: seeds the sampling seeds of requests that bring none.
+        limits: request limits (body size, body read timeout, JSON nesting).
+        continuous: on the transformers backend, decode with continuous batching (a call joins
+            the running batch at the next token, :class:`~flow_assets.serving.gateway.batcher.ContinuousBatcher`);
+            ``False``, or the vLLM backend (which batches continuously itself): the dynamic batcher,
+            which generates each batch to its end before it starts the next.
+    """
+
+    max_batch_rows: int = 256
+    max_wait_ms: float = 3.0
+    default_max_tokens: int = 256
+    rollout_timeout_s: float = 600.0
+    batch_max_trajectories: int = 1024
+    batch_flush_seconds: float = 300.0
+    source: str = "gateway"
+    reap_every_s: float = 5.0
+    seed: int = 0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    continuous: bool = True
+
+
+class Gateway:
+    """Everything one gateway process holds: the policy, the batcher, open rollouts, open batches.
+
+    Args:
+        engine: the policy (base model + adapters).
+        resolver: model name -> adapter.
+        landing: the landing directory finished rollouts go to; the open batches a dead gateway
+            left in it land at once (:attr:`recovered`).
+        config: settings.
+    """
+
+    def __init__(self, engine: PolicyEngine, resolver: AdapterResolver, landing: str | Path, config: GatewayConfig | None = None):
+        self.engine = engine
+        self.resolver = resolver
+        self.config = config or GatewayConfig()
+        c = self.config
+        if c.continuous and engine.backend == "transformers":
+            tok = engine.tokenizer
+            self.batcher = ContinuousBatcher(engine.activate, tok.eos_token_id, tok.pad_token_id, engine.max_positions,
+                                             c.max_batch_rows, c.max_wait_ms, c.seed)  # fmt: skip
+        else:
+            self.batcher = DynamicBatcher(engine.generate, c.max_batch_rows, c.max_wait_ms, c.seed)
+        self.recorder = RolloutRecorder(self.config.rollout_timeout_s)
+        self.lander = BatchLander(
+            landing, self.config.source, self.config.batch_max_trajectories, self.config.batch_flush_seconds
+        )
+        self.calls = 0
+        self.recovered: list[RecoveredBatch] = self.lander.recover()
+        # a token never covers more characters than the longest vocabulary entry: a prompt with more
+        # than context * that many characters cannot fit, whatever its tokens (checked before tokenising)
+        vocab = engine.tokenizer.get_vocab()
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+
+    def land(self, trajectory, settings: RolloutSettings) -> str | None:
+        """Hand a finished rollout to its batch (unless it must not land); returns the batch."""
+        if not settings.land:
+            return None
+        return self.lander.add(trajectory, settings.batch, settings.source)
+
+    def housekeeping(self, everything: bool = False) -> None:
+        """Land idle rollouts as errors and close due batches (everything, when stopping)."""
+        for trajectory, settings in self.recorder.reap(everything=everything):
+            self.land(trajectory, settings)
+        if everything:
+            self.lander.close_all()
+        else:
+            self.lander.close_due()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    return JSONResponse(error_body(scrub_paths(message), kind, param, code), status_code=status)
+
+
+#: prompts of at most this many non-whitespace characters render on the event loop (well under a
+#: millisecond each); longer ones in a worker thread
+INLINE_RENDER_CHARS = 32_000
+
+
+def _whitespace_free_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters other than ASCII whitespace in what a request asks to render (some tokenisers
+    drop whitespace; no tokeniser drops other characters)."""
+    total = 0
+    for text in _strings(messages) + _strings(tools or []):
+        total += len(text) - sum(text.count(c) for c in " \t\n\r\f\v")
+    return total
+
+
+def _strings(value: Any) -> list[str]:
+    found, stack = [], [value]
+    while stack:  # iterative: the guard caps nesting, this stays cheap and recursion-free anyway
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], text: str, stops: list[str] | None):
+    """Cut a completion at the first stop string: ``(ids, logprobs, text, stopped)``. The ids keep
+    the token that completed the stop string (it was sampled); the text ends before it."""
+    hits = [(text.find(s), s) for s in stops or () if s in text]
+    if not hits:
+        return ids, logprobs, text, False
+    pos, stop = min(hits)
+    for k in range(1, len(ids) + 1):
+        if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= pos + len(stop):
+            return ids[:k], logprobs[:k], text[:pos], True
+    return ids, logprobs, text[:pos], True
+
+
+def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
+    content = []
+    for token_id, lp in zip(ids, logprobs):
+        token = tokenizer.decode([token_id])
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    return {"content": content}
+
+
+class _Metrics:
+    """ASGI middleware counting requests and their latency per route template and status (a
+    plain ASGI callable: Starlette's ``@app.middleware("http")`` runs every request through an
+    extra task and memory streams, a fixed cost per call on the gateway's event loop)."""
+
+    def __init__(self, app, requests_total: Counter, latency: Histogram):
+        self.app, self.requests_total, self.latency = app, requests_total, latency
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = getattr(scope.get("route"), "path", "(unmatched)")  # the router sets it on this scope
+            self.requests_total.labels(path, str(status)).inc()
+            self.latency.labels(path).observe(time.perf_counter() - started)
+
+
+def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
+    """The FastAPI application serving ``gateway`` (module docstring); ``tokens``: the bearer
+    tokens every route but ``/health`` asks for (none: no token asked, for loopback only)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def reaper():
+            while True:
+                await asyncio.sleep(gateway.config.reap_every_s)
+                gateway.housekeeping()
+
+        task = asyncio.create_task(reaper())
+        try:
+            yield
+        finally:
+            task.cancel()
+            gateway.housekeeping(everything=True)
+
+    app = FastAPI(title="flowopt policy gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.add_middleware(RequestGuard, tokens=tuple(tokens), limits=gateway.config.limits)
+    tokenizer = gateway.engine.tokenizer
+    metrics = CollectorRegistry()  # per app: two gateways in one process count apart
+    requests_total = Counter("flowopt_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=metrics)
+    latency = Histogram("flowopt_gateway_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=metrics,
+                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+    tokens_served = Counter("flowopt_gateway_tokens", "tokens served by kind (prompt, completion) and adapter version", ["kind", "adapter"], registry=metrics)
+
+    app.add_middleware(_Metrics, requests_total=requests_total, latency=latency)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors) or (
+            len(errors) == 1 and tuple(errors[0].get("loc", ())) == ("body",)
+        ):
+            return _error(400, "We could not parse the JSON body of your request.", code="invalid_json")
+        message, param = validation_message(exc)
+        return _error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # the details (paths, library internals) go to the log; the client gets an id to quote
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("gateway error %s on %s %s", error_id, request.method, request.url.path)
+        return _error(500, f"internal error {error_id} ({type(exc).__name__}); the gateway's log has the details", "server_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "calls": gateway.calls,
+            "open_rollouts": gateway.recorder.open_count,
+            "open_batches": gateway.lander.open_batches(),
+            # relative to the landing directory: where the server keeps its files is not the client's business
+            "landed_batches": [str(p.relative_to(gateway.lander.directory)) for p in gateway.lander.landed],
+            "recovered_batches": [
+                {"batch": str(r.path.relative_to(gateway.lander.directory)), "rollouts": r.rollouts, "torn_bytes": r.torn_bytes}
+                for r in gateway.recovered
+            ],
+            "generation_batches": gateway.batcher.batches,
+            "generated_sequences": gateway.batcher.rows,
+        }
+
+    @app.get("/v1/models")
+    @app.get("/rollouts/{rollout_id}/v1/models")
+    async def models(rollout_id: str | None = None) -> dict:
+        data = []
+        for name in gateway.resolver.names():
+            ref = gateway.resolver.resolve(name)
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "flowopt", "root": ref.version})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, x_agent_id: str | None = Header(None), x_session_id: str | None = Header(None)):
+        return await _chat(body, x_agent_id, x_session_id)
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions")
+    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest, x_session_id: str | None = Header(None)):
+        return await _chat(body, rollout_id, x_session_id)
+
+    async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None):
+        if req.stream:
+            return _error(400, "stream=true is not supported by the flowopt gateway", param="stream")
+        if not rollout_id:
+            return await _serve_call(req, None, None, session)
+        try:
+            # the call is activity from its start: a generation longer than the rollout timeout
+            # must not see its rollout reaped under it
+            settings = gateway.recorder.settings(rollout_id, calling=True)
+        except RolloutError as exc:
+            return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        try:
+            return await _serve_call(req, rollout_id, settings, session)
+        finally:
+            gateway.recorder.call_ended(rollout_id)
+
+    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+        started = time.perf_counter()
+        name = settings.model if settings and settings.model else req.model
+        try:
+            # the live A/B's unit is the session: X-Session-ID, else OpenAI's `user`, else the
+            # rollout, so every turn of one conversation is served by the same adapter
+            ref = gateway.resolver.resolve(name, session or req.user or rollout_id)
+        except UnknownModelError as exc:
+            return _error(404, str(exc), param="model", code="model_not_found")
+        temperature = settings.temperature if settings and settings.temperature is not None else req.temperature
+        top_p = settings.top_p if settings and settings.top_p is not None else req.top_p
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        context = gateway.engine.max_positions
+        if context is not None and (chars := _whitespace_free_chars(messages, tools)) > 4 * gateway.max_token_chars * context:
+            # refused before tokenising (seconds of CPU for megabytes of text): more characters than
+            # the context can hold even at the longest token, with a 4x margin for normalisers
+            return _error(
+                400,
+                f"This model's maximum context length is {context} tokens. However, your messages hold {chars} "
+                f"characters, more than {context} tokens can cover.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        render = functools.partial(render_prompt, tokenizer, messages, tools, fmt=gateway.engine.chat)
+        try:
+            # A large prompt renders off the event loop, so it cannot stall other clients. An ordinary
+            # one renders in it: a thread hop per call spread concurrent agents' calls past the
+            # batcher's wait and halved its batches (6 instead of 8 sequences per generate call
+            # with 8 agents, 18 instead of 36 with 64), which made a demo's collection ~3x slower.
+            if context is None or chars > INLINE_RENDER_CHARS:
+                _, prompt_ids = await asyncio.to_thread(render)
+            else:
+                _, prompt_ids = render()
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            return _error(400, f"the messages cannot be rendered with the policy's chat template: {exc}", param="messages")
+        requested = req.max_completion_tokens or req.max_tokens
+        max_tokens = requested or gateway.config.default_max_tokens
+        if context is not None:
+            if requested is None:
+                max_tokens = min(max_tokens, context - len(prompt_ids))
+            if max_tokens < 1 or len(prompt_ids) + max_tokens > context:
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context} tokens. However, you requested "
+                    f"{len(prompt_ids) + max(max_tokens, 1)} tokens ({len(prompt_ids)} in the messages, "
+                    f"{max(max_tokens, 1)} in the completion).",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+        work = GenerationRequest(ref.path, prompt_ids, req.n, temperature, top_p, max_tokens, req.seed)
+        rollouts = await asyncio.wrap_future(gateway.batcher.submit(work))
+        failed = next((r.error for r in rollouts if r.error), None)
+        if failed:
+            return _error(400, failed, param="messages")
+        choices, out_choices = [], []
+        for index, rollout in enumerate(rollouts):
+            text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+            ids, lps, text, stopped = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
+            parsed = parse_tool_calls(text, gateway.engine.chat.tool_calls, None if req.tool_choice == "none" else tools)
+            calls = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
+            reason = "tool_calls" if calls else ("stop" if rollout.finished or stopped else "length")
+            if parsed.error:
+                log.info("rollout %s: tool call not parsed (%s); returned as text", rollout_id or "-", parsed.error)
+            choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error))
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else text}
+            if calls:
+                message["tool_calls"] = calls
+            out_choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": _logprobs_payload(tokenizer, ids, lps) if req.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        gateway.calls += 1
+        if rollout_id:
+            turn = Turn(messages, prompt_ids, choices, name, ref.version, temperature, top_p, latency_ms)
+            try:
+                gateway.recorder.record(rollout_id, turn)
+            except RolloutError as exc:
+                return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        completion_tokens = sum(len(c.completion_ids) for c in choices)
+        tokens_served.labels("prompt", ref.version).inc(len(prompt_ids))
+        tokens_served.labels("completion", ref.version).inc(completion_tokens)
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": name,
+                "system_fingerprint": ref.version,
+                "choices": out_choices,
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": len(prompt_ids) + completion_tokens,
+                },
+            },
+            headers={"X-Flowopt-Adapter-Version": ref.version},
+        )
+
+    @app.post("/rollouts")
+    async def open_rollouts(body: RolloutOpen | list[RolloutOpen]):
+        items = body if isinstance(body, list) else [body]
+        ids = []
+        for item in items:
+            try:
+                for kind, value in (("batch", item.batch), ("source", item.source)):
+                    if value is not None:
+                        check_name(kind, value)
+                if item.model is not None:
+                    gateway.resolver.resolve(item.model)
+                fields = item.model_dump(exclude={"rollout_id"})
+                ids.append(gateway.recorder.open(RolloutSettings(**fields), item.rollout_id))
+            except UnknownModelError as exc:
+                return _error(404, str(exc), param="model", code="model_not_found")
+            except (RolloutError, ValueError) as exc:
+                return _error(400, str(exc))
+        return {"ids": ids} if isinstance(body, list) else {"id": ids[0]}
+
+    @app.post("/rollouts/{rollout_id}/finish")
+    async def finish(rollout_id: str, body: RolloutFinish):
+        if body.error is None and body.success is None and body.score is None:
+            return _error(400, "finish needs 'success' or 'score' (or an 'error')", param="success")
+        outcome = None if body.error is not None else Outcome(success=body.success, score=body.score)
+        error = {"kind": body.error_kind, "message": body.error} if body.error is not None else None
+        try:
+            trajectory, settings = gateway.recorder.finish(
+                rollout_id, outcome, body.final_answer, body.metadata, error,
+                task_id=body.task_id, query=body.query, agent_id=body.agent_id,
+            )  # fmt: skip
+        except RolloutError as exc:
+            return _error(404, str(exc), param="rollout_id", code="rollout_not_found")
+        except ValidationError as exc:
+            message, param = validation_message(exc)
+            return _error(400, f"the rollout is not a valid trajectory: {message}", param=param)
+        batch = gateway.land(trajectory, settings)
+        return {
+            "trajectory_id": trajectory.trajectory_id,
+            "batch": batch,
+            "steps": len(trajectory.steps),
+            "llm_calls": trajectory.metadata["llm_calls"],
+            "tool_calls": trajectory.metadata["tool_calls"],
+            "completion_tokens": trajectory.metadata["completion_tokens"],
+            "error": trajectory.metadata.get("error"),
+        }
+
+    @app.post("/batches/{name}/close")
+    async def close_batch(name: str):
+        count = gateway.lander.open_batches().get(name, 0)
+        path = gateway.lander.close(name)
+        return {"batch": name, "path": str(path) if path else None, "trajectories": count}
+
+    return app

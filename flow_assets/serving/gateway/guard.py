@@ -1,0 +1,146 @@
+"""What stands in front of the gateway's routes: bearer tokens and request limits.
+
+:class:`RequestGuard` is an ASGI middleware, so it decides before FastAPI reads anything:
+
+1. **Token**: when the gateway has tokens, every route but ``/health`` needs
+   ``Authorization: Bearer <token>`` (checked from the headers alone with the training API's
+   :func:`~flow_assets.core.untrusted.authorised`, a constant-time compare); otherwise HTTP 401 and
+   the body is never read. OpenAI clients send their ``api_key`` this way.
+2. **Size**: a declared ``Content-Length`` over ``max_body_bytes`` is HTTP 413 at once, before any
+   of the body is read; a chunked body is 413 as soon as what arrived passes the cap. No request
+   holds more than ``max_body_bytes`` of the gateway's memory.
+3. **Time**: a body not received whole within ``body_timeout_s`` of its headers is HTTP 408 (a
+   client trickling bytes does not hold a connection open forever).
+4. **Nesting**: a JSON body nested deeper than ``max_json_depth`` is HTTP 400 (``json_too_deep``)
+   instead of a ``RecursionError`` deep inside the JSON decoder, pydantic or the trajectory writer.
+
+Each refusal is OpenAI's error shape and says ``Connection: close``, so uvicorn drops the
+connection rather than wait for the rest of a body nobody will read. A body that passes is handed
+to the app exactly as received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from flow_assets.core.untrusted import authorised, json_depth
+
+#: routes that answer without a token (liveness probes of a load balancer)
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost the gateway (module docstring for how each is enforced).
+
+    Attributes:
+        max_body_bytes: largest request body, bytes (default 8 MiB: a long multi-turn conversation
+            or the harness opening a thousand rollouts in one call is well under 1 MiB); larger
+            is HTTP 413.
+        body_timeout_s: seconds to receive the whole body once the headers are in (default 60);
+            slower is HTTP 408.
+        max_json_depth: deepest nesting of objects and arrays a JSON body may have (default 64;
+            a chat request with tool schemas nests about 10 deep); deeper is HTTP 400.
+
+    Raises:
+        ValueError: a limit that is not positive.
+    """
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 60.0
+    max_json_depth: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "body_timeout_s", "max_json_depth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def too_deep(body: bytes, max_depth: int) -> bool:
+    """Whether ``body`` is JSON nested deeper than ``max_depth``. orjson refuses more than 1,024
+    levels by itself (a decode error naming the depth); a body that is not JSON for any other
+    reason is not this check's business (the route answers it)."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return "depth" in str(exc)
+    return json_depth(value) > max_depth
+
+
+class RequestGuard:
+    """ASGI middleware enforcing ``tokens`` and ``limits`` on every HTTP request (module docstring).
+
+    Args:
+        app: the ASGI app behind it.
+        tokens: bearer tokens accepted; empty: no token is asked for (a gateway bound to loopback).
+        limits: request limits.
+    """
+
+    def __init__(self, app, tokens: Sequence[str] = (), limits: RequestLimits | None = None):
+        self.app = app
+        self.tokens = tuple(t for t in tokens if t)
+        self.limits = limits or RequestLimits()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.tokens and scope.get("path") not in OPEN_PATHS and not authorised(headers.get("authorization"), self.tokens):
+            await _refuse(send, 401, "a valid bearer token is required (Authorization: Bearer <token>)", "invalid_api_key")
+            return
+        limits = self.limits
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await _refuse(send, 400, "Content-Length is not a number", "invalid_content_length")
+                return
+            if int(declared) > limits.max_body_bytes:
+                await _refuse(send, 413, f"the body of {int(declared)} bytes exceeds this gateway's limit of {limits.max_body_bytes} bytes", "body_too_large")
+                return
+        chunks, size, more = [], 0, True
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client went away: nobody to answer
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limits.max_body_bytes:
+                        await _refuse(send, 413, f"the body exceeds this gateway's limit of {limits.max_body_bytes} bytes", "body_too_large")
+                        return
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            await _refuse(send, 408, f"the body was not received within {limits.body_timeout_s:g} s", "body_timeout")
+            return
+        body = b"".join(chunks)
+        if body and too_deep(body, limits.max_json_depth):
+            await _refuse(send, 400, f"the JSON body nests objects or arrays deeper than {limits.max_json_depth} levels", "json_too_deep")
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices, as the server sends them
+
+        await self.app(scope, replay, send)
+
+
+async def _refuse(send, status: int, message: str, code: str) -> None:
+    """Answer with OpenAI's error shape and close the connection."""
+    payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,148 @@
+"""The HTTP protocol of the gateway: OpenAI's chat completion request and error shapes, and
+flowopt's rollout endpoints.
+
+Requests are validated here, so a client learns which field is wrong with a 400 in OpenAI's error
+shape (``{"error": {"message", "type", "param", "code"}}``) instead of a 500. Fields OpenAI
+defines that the gateway does not use (``frequency_penalty``, ``parallel_tool_calls``,
+``metadata`` ...) are accepted and ignored, as other OpenAI-compatible servers do; fields it uses
+are type-checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class FunctionCall(BaseModel):
+    """``tool_calls[].function`` of an assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A tool call the agent sends back in its history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """One chat message (``content`` a string or a list of ``{"type": "text", "text": ...}`` parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(BaseModel):
+    """``tools[].function``: a function the model may call (JSON Schema ``parameters``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` (non-streaming).
+
+    ``tool_choice`` is recorded but not enforced: the policy decides whether to call a tool
+    (``"none"`` does stop the gateway from parsing calls). ``top_logprobs`` is accepted; the
+    returned ``top_logprobs`` lists are empty (the sampled token's log-prob is exact).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    # a 64-bit signed integer, as OpenAI's schema says: larger seeds cannot seed a generator
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+
+class RolloutOpen(BaseModel):
+    """``POST /rollouts``: open a rollout (see :class:`~flow_assets.serving.gateway.capture.RolloutSettings`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str | None = Field(None, min_length=1, max_length=200)
+    task_id: str | None = Field(None, min_length=1)
+    query: str | None = None
+    agent_id: str | None = Field(None, min_length=1)
+    trajectory_id: str | None = Field(None, min_length=1)
+    batch: str | None = None
+    source: str | None = None
+    land: bool = True
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutFinish(BaseModel):
+    """``POST /rollouts/{id}/finish``: the outcome (``success`` and/or ``score``), or an ``error``
+    that makes it a failed rollout (score 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    success: bool | None = None
+    score: float | None = Field(None, allow_inf_nan=False)
+    final_answer: str | None = None
+    task_id: str | None = Field(None, min_length=1)
+    query: str | None = None
+    agent_id: str | None = Field(None, min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+    error_kind: str = "agent_error"
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_message(exc: ValidationError | Any) -> tuple[str, str | None]:
+    """``(message, param)`` for the first problem of a pydantic / FastAPI validation error,
+    naming the field (``messages.0.role``)."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    return (f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))), param

@@ -1,0 +1,666 @@
+"""A training round, as plain functions with typed hand-offs (no Dagster here).
+
+    build_base_policy    the tiny model, SFT on demonstrations, champion v0 -> BasePolicyResult
+    collect_batch        the champion's agents work on train tasks through the gateway, G per
+                         task; the batch lands in the landing directory     -> CollectionResult
+    [the data plane: interaction_logs -> trajectories -> rewards -> advantages]
+    train_candidate      GRPO on the batch's turn rows, from the champion   -> RoundSummary
+    evaluate_candidate   candidate vs champion agents on held-out tasks     -> EvaluationResult
+    promote_candidate    the gate re-checked, the registry written          -> Promotion
+
+Each result is a frozen dataclass written and read by one pair of functions (``round.json``,
+``evaluation.json`` in the round's directory ``<models>/runs/<batch>/``), so the Dagster assets,
+the demo, the benchmarks and the tests all pass the same typed objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+import polars as pl
+
+from flow_assets.core.atomic import write_json_atomic
+from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
+from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.engine import AdapterRef
+from flow_assets.serving.gateway.serve import serve_policy
+from flow_assets.policy.chat import conversation_rows
+from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
+from flow_assets.policy.rollouts import batch_id_for, training_samples
+from flow_assets.policy.store import PolicyStore
+from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
+from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
+from flow_assets.tasks.sources import Task, TaskSource
+
+# The model code (torch, transformers, peft) is imported inside the functions that train, sample or
+# save a model: the code location imports this module, and its sensors and data-plane runs never
+# touch a model, so they should not pay seconds of imports for one.
+if TYPE_CHECKING:
+    from flow_assets.policy.trainer import StepMetrics
+
+
+class Registry(Protocol):
+    """What a round needs of the adapter registry (:class:`resources.registry.AdapterRegistry`)."""
+
+    def champion(self) -> dict[str, Any] | None: ...
+    def load(self) -> dict[str, Any]: ...
+    def set_candidate(self, adapter_path: str, batch: str, parent_version: str) -> None: ...
+    def promote(self, version: str, adapter_path: str, metrics: dict, by: str, reason: str, action: str = "promote") -> dict: ...
+    def next_version(self) -> str: ...
+    def challenger(self) -> dict[str, Any] | None: ...
+    def start_challenger(self, version: str, adapter_path: str, metrics: dict, share: float, by: str, reason: str) -> dict: ...
+
+
+class RoundError(RuntimeError):
+    """A round cannot go on (no champion, no trainable rollouts, a changed champion)."""
+
+
+def require_champion(registry: Registry) -> dict[str, Any]:
+    """The champion entry.
+
+    Raises:
+        RoundError: there is none yet (``base_policy`` was never materialised).
+    """
+    champion = registry.champion()
+    if champion is None:
+        raise RoundError("no champion in the registry: materialise base_policy first")
+    return champion
+
+
+# -- base policy -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BasePolicyResult:
+    """What ``build_base_policy`` did: SFT demonstrations (conversations) and rows (assistant
+    turns), steps, mean loss of the last 10 steps (nats per token), seconds, parameters."""
+
+    demonstrations: int
+    rows: int
+    steps: int
+    final_loss: float
+    seconds: float
+    parameters: int
+
+
+def build_base_policy(
+    store: PolicyStore,
+    registry: Registry,
+    source: TaskSource,
+    model: TinyModelConfig,
+    sft: SFTConfig,
+    demonstrations: int,
+    by: str,
+) -> BasePolicyResult:
+    """The tiny model saved into ``store.base_path``, warm-started by SFT on the demonstration
+    conversations of ``source``'s first ``demonstrations`` train tasks (one row per assistant
+    turn, rendered with the chat template), then champion ``v0`` (an identity adapter).
+
+    Raises:
+        ValueError: no demonstrations.
+    """
+    from flow_assets.policy.sft import sft_on_rows
+    from flow_assets.policy.tiny_model import save_tiny_policy
+
+    if store.base_path.exists():
+        shutil.rmtree(store.base_path)
+    save_tiny_policy(store.base_path, model)
+    base, tokenizer = store.load()
+    tasks = source.tasks("train")[:demonstrations]
+    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), source.tools)]
+    result = sft_on_rows(base, rows, tokenizer.pad_token_id, sft)
+    base.save_pretrained(str(store.base_path))
+    register_identity_adapter(store, registry, by, "base policy (SFT warm start)")
+    return BasePolicyResult(
+        len(tasks), len(rows), result.steps, float(np.mean(result.losses[-10:])) if result.losses else float("nan"), result.seconds,
+        sum(p.numel() for p in base.parameters()),
+    )  # fmt: skip
+
+
+def register_identity_adapter(store: PolicyStore, registry: Registry, by: str, reason: str) -> str:
+    """Save a fresh (identity) LoRA adapter on the base model as ``v0`` and register it as the
+    champion. Returns its directory."""
+    from flow_assets.policy.lora import save_lora_adapter
+
+    base, _ = store.load()
+    v0 = store.adapter_dir("v0")
+    if v0.exists():
+        shutil.rmtree(v0)
+    save_lora_adapter(store.new_adapter(base), v0)
+    registry.promote("v0", str(v0), {"base": str(store.base_path)}, by=by, reason=reason, action="register")
+    return str(v0)
+
+
+# -- collection ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CollectConfig:
+    """One collection: the champion's agents work on ``tasks_per_batch`` train tasks, ``group_size`` each.
+
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
+    """
+
+    tasks_per_batch: int = field(default=512, metadata={"description": (
+        "train tasks per batch, drawn without replacement.")})
+    group_size: int = field(default=8, metadata={"description": "agents (rollouts) per task, the GRPO group size G."})
+    temperature: float = field(default=1.0, metadata={"description": (
+        "sampling temperature imposed on every call of the rollouts.")})
+    top_p: float = field(default=1.0, metadata={"description": "nucleus threshold imposed on every call."})
+    seed: int = field(default=0, metadata={"description": (
+        "base seed; the batch number is added to it (task choice and sampling seeds).")})
+    concurrency: int = field(default=256, metadata={"description": "agents running at once."})
+    timeout_s: float = field(default=120.0, metadata={"description": (
+        "an agent running longer is cancelled (an error rollout), seconds.")})
+
+
+@dataclass(frozen=True)
+class CollectionResult:
+    """What a collection landed.
+
+    Attributes:
+        path: the landed JSONL file; ``batch`` its name (stem).
+        champion: the registry version whose agents collected it.
+        rollouts / failed_rollouts: counts; a failed rollout is an error trajectory.
+        success_rate: share of rollouts the verifier scored 1.
+        mean_llm_calls / mean_tool_calls: per rollout.
+        seconds: wall time of the agents' work (gateway start included).
+    """
+
+    path: str
+    batch: str
+    champion: str
+    rollouts: int
+    failed_rollouts: int
+    success_rate: float
+    mean_llm_calls: float
+    mean_tool_calls: float
+    seconds: float
+
+
+def landing_source(agent_id: str) -> str:
+    """The landing sub-directory of an agent's rollouts (``flowopt:calculator`` -> ``flowopt-calculator``)."""
+    return agent_id.replace(":", "-")
+
+
+def collect_batch(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    registry: Registry,
+    landing_dir: str | Path,
+    config: CollectConfig | None = None,
+) -> CollectionResult:
+    """Run the champion's agents on a batch of train tasks through an in-process gateway (real
+    HTTP) and land the batch as ``<landing>/<source>/r<round>-<id>.jsonl`` (round = batches landed
+    before it + 1; its partition key then starts with ``r<round>``, see ``flow_assets.logs.landing.batch_key``).
+
+    Raises:
+        RoundError: no champion.
+        GatewayError / OSError: the gateway could not be started or refused the rollouts.
+    """
+    config = config or CollectConfig()
+    champion = require_champion(registry)
+    folder = landing_source(agent_id)
+    out_dir = Path(landing_dir) / folder
+    batch_number = len(list(out_dir.glob("*.jsonl"))) if out_dir.is_dir() else 0
+    seed = config.seed + batch_number
+    train = source.tasks("train")
+    rng = np.random.default_rng(seed)
+    chosen = [train[i] for i in rng.choice(len(train), size=min(config.tasks_per_batch, len(train)), replace=False)]
+    batch = f"r{batch_number + 1:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
+    harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
+    started = time.perf_counter()
+    with serve_policy(store, landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:
+        results = asyncio.run(
+            run_rollouts(server.url, agent, chosen, source.score, config.group_size,
+                         agent_id=agent_id, batch=batch, source=folder, config=harness)
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    return CollectionResult(
+        path=str(out_dir / f"{batch}.jsonl"),
+        batch=batch,
+        champion=champion["version"],
+        rollouts=len(results),
+        failed_rollouts=sum(r.error is not None for r in results),
+        success_rate=float(np.mean([r.success for r in results])) if results else 0.0,
+        mean_llm_calls=float(np.mean([r.llm_calls for r in results])) if results else 0.0,
+        mean_tool_calls=float(np.mean([r.tool_calls for r in results])) if results else 0.0,
+        seconds=seconds,
+    )
+
+
+# -- training --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundSummary:
+    """What ``train_candidate`` did (``round.json``).
+
+    Attributes:
+        batch: the log batch trained on.
+        parent_version / parent_adapter: the champion it started from.
+        candidate_adapter: the trained adapter's directory.
+        losses / grad_norms: per optimizer step.
+        kl_to_behaviour: mean KL(behaviour || candidate), nats per token, on the batch's turns.
+        num_samples: turn rows trained on; dropped_zero_advantage: rows left out (advantage 0).
+        resumed_from: checkpoint step it resumed from, else ``None``; final_step: steps done.
+        training_seconds: wall time of the optimisation.
+        reward_mean / reward_std: of the batch's trajectories; zero_variance_share: of its groups.
+        negate_advantages: trained against the advantages (a test of the gate).
+        config: the trainer's exact config.
+    """
+
+    batch: str
+    parent_version: str
+    parent_adapter: str
+    candidate_adapter: str
+    losses: list[float]
+    grad_norms: list[float]
+    kl_to_behaviour: float
+    num_samples: int
+    dropped_zero_advantage: int
+    resumed_from: int | None
+    final_step: int
+    training_seconds: float
+    reward_mean: float
+    reward_std: float
+    zero_variance_share: float
+    negate_advantages: bool
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def write_round_summary(summary: RoundSummary, run_dir: Path) -> Path:
+    """Write ``run_dir/round.json`` atomically."""
+    path = Path(run_dir) / "round.json"
+    write_json_atomic(path, dataclasses.asdict(summary), sort_keys=True)
+    return path
+
+
+def read_round_summary(run_dir: Path) -> RoundSummary:
+    """Read ``run_dir/round.json``.
+
+    Raises:
+        FileNotFoundError: the round has not been trained.
+    """
+    return RoundSummary(**json.loads((Path(run_dir) / "round.json").read_text()))
+
+
+def kl_to_behaviour(
+    model, samples: list[TrainingSample], pad_id: int, max_samples: int | None = None, micro_batch_size: int = 16, seed: int = 0
+) -> float:
+    """Mean KL(behaviour || trained policy), nats per token, on the batch's own completions.
+
+    The completions were sampled from the behaviour policy, so the k3 estimator
+    ``(r - 1) - log r`` with ``r = pi_new / pi_old`` (Schulman 2020, "Approximating KL
+    divergence") is unbiased and non-negative for KL(pi_old || pi_new). Each row is scored at the
+    temperature it was sampled at, like the behaviour log-probs. With ``max_samples`` the mean is
+    taken over that many rows drawn without replacement (``seed``), still unbiased; rows are
+    scored ``micro_batch_size`` at a time (memory).
+    """
+    import torch
+
+    from flow_assets.policy.sampling import completion_logprobs
+    from flow_assets.rl.grpo_loss import k3_kl
+
+    with_lp = [s for s in samples if s.behaviour_logprobs and s.completion_ids]
+    if not with_lp:
+        return 0.0
+    if max_samples is not None and len(with_lp) > max_samples:
+        chosen = np.random.default_rng(seed).choice(len(with_lp), size=max_samples, replace=False)
+        with_lp = [with_lp[i] for i in sorted(chosen)]
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for start in range(0, len(with_lp), micro_batch_size):
+            micro = with_lp[start : start + micro_batch_size]
+            logp, mask = completion_logprobs(
+                model, [s.prompt_ids for s in micro], [s.completion_ids for s in micro], pad_id, [s.temperature for s in micro]
+            )  # [mb, seq] each
+            old = torch.zeros_like(logp)
+            for i, s in enumerate(micro):
+                old[i, : len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+            total += float((k3_kl(old, logp) * mask).sum())
+            tokens += float(mask.sum())
+    return total / tokens
+
+
+def train_candidate(
+    store: PolicyStore,
+    registry: Registry,
+    batch: str,
+    tables: dict[str, pl.DataFrame],
+    agent_id: str,
+    config: GRPOTrainerConfig,
+    negate_advantages: bool = False,
+    kl_samples: int | None = 256,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> tuple[RoundSummary, list[StepMetrics]]:
+    """Train a candidate adapter from the champion on ``batch`` and save it (round directory
+    ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
+
+    Args:
+        tables: the batch's lake partitions ``steps``, ``step_advantages``, ``trajectories`` and
+            ``advantages``.
+        agent_id: the trainable agent; only its trajectories' turns are trained.
+        config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
+        negate_advantages: train against the advantages (to test that the gate blocks it).
+        kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
+        on_step: called with each optimizer step's metrics as it finishes (a run's log).
+
+    Returns:
+        The summary (also written) and the per-step metrics.
+
+    Raises:
+        RoundError: no champion, or the batch holds no trainable turn of ``agent_id``.
+    """
+    from flow_assets.policy.lora import save_lora_adapter
+    from flow_assets.policy.trainer import CheckpointMismatch, train_grpo_round
+
+    samples = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
+    if not samples:
+        raise RoundError(f"batch {batch} has no turns of the trainable agent {agent_id!r} with token ids")
+    if negate_advantages:
+        samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
+    champion = require_champion(registry)
+    model, tokenizer = store.load(champion["adapter_path"], trainable=True)
+    run_dir = store.round_dir(batch)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
+    # checkpoints are resumed only by the same round (after a kill, or training.pause): grown from
+    # the same champion (recorded here; a directory without the record is of unknown origin), with
+    # the same settings and samples (the trainer checks those). Another round on this batch (a new
+    # champion, a job with other settings) starts afresh.
+    parent_file = run_dir / "parent_version"
+    if not parent_file.exists() or parent_file.read_text() != champion["version"]:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    parent_file.write_text(champion["version"])
+    try:
+        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+    except CheckpointMismatch:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+    candidate = save_lora_adapter(model, run_dir / "adapter")
+    registry.set_candidate(str(candidate), batch, champion["version"])
+    advantages = tables["advantages"]
+    groups = advantages.group_by("group_key").agg(pl.col("zero_variance").first())
+    summary = RoundSummary(
+        batch=batch,
+        parent_version=champion["version"],
+        parent_adapter=champion["adapter_path"],
+        candidate_adapter=str(candidate),
+        losses=[s.loss for s in result.steps],
+        grad_norms=[s.grad_norm for s in result.steps],
+        kl_to_behaviour=kl_to_behaviour(
+            model, samples, tokenizer.pad_token_id, kl_samples, config.micro_batch_size or 16, config.seed
+        ),
+        num_samples=result.num_samples,
+        dropped_zero_advantage=result.num_dropped_zero_advantage,
+        resumed_from=result.resumed_from,
+        final_step=result.final_step,
+        training_seconds=result.seconds,
+        reward_mean=float(advantages["reward"].mean()),
+        reward_std=float(advantages["reward"].std() or 0.0),
+        zero_variance_share=float(groups["zero_variance"].mean()),
+        negate_advantages=negate_advantages,
+        config=config.to_dict(),
+    )
+    write_round_summary(summary, run_dir)
+    return summary, result.steps
+
+
+# -- evaluation ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """Held-out evaluation and the promotion gate's thresholds.
+
+    Each field's description is its ``metadata["description"]`` (:mod:`flow_assets.core.config`).
+    """
+
+    max_tasks: int = field(default=500, metadata={"description": (
+        "held-out tasks evaluated (the first N, fixed order).")})
+    concurrency: int = field(default=128, metadata={"description": (
+        "agents running at once (per policy and mode; four run side by side).")})
+    timeout_s: float = field(default=120.0, metadata={"description": (
+        "an agent running longer counts as a failure, seconds.")})
+    modes: tuple[Literal["greedy", "sampled"], ...] = field(default=("greedy", "sampled"), metadata={"description": (
+        "``greedy`` (T = 0) and / or ``sampled`` (T = ``sampled_temperature``); the gate's metric must be one.")})
+    sampled_temperature: float = field(default=1.0, metadata={"description": (
+        "the temperature of the ``sampled`` mode; 1 (the policy's own distribution) by default; a small real model is "
+        "usually served cooler (the real-model demo evaluates and collects at 0.7).")})
+    gate: GateConfig = field(default_factory=GateConfig, metadata={"description": "the promotion gate's thresholds."})
+
+    def __post_init__(self) -> None:
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ValueError(f"modes must be some of {sorted(MODES)}, got {self.modes!r}")
+        if self.gate.metric not in self.modes:
+            raise ValueError(f"the gate's metric {self.gate.metric!r} is not among the evaluated modes {self.modes!r}")
+        if not self.sampled_temperature > 0:
+            raise ValueError(f"sampled_temperature must be > 0, got {self.sampled_temperature}")
+
+    @property
+    def temperatures(self) -> dict[str, float]:
+        """Sampling temperature of each evaluated mode."""
+        return {mode: 0.0 if mode == "greedy" else self.sampled_temperature for mode in self.modes}
+
+
+#: the evaluation modes
+MODES = ("greedy", "sampled")
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """What ``evaluate_candidate`` found (``evaluation.json``).
+
+    Attributes:
+        report: :func:`~flow_assets.rl.evaluation.compare_policies`' report.
+        gate_config: the thresholds it was gated with.
+        gate: one :class:`~flow_assets.rl.gate.GateResult` per check (``gain``, ``finite_loss``,
+            ``kl_bound``).
+        generation_seconds: wall time of the agents' work.
+    """
+
+    report: dict[str, Any]
+    gate_config: GateConfig
+    gate: tuple[GateResult, ...]
+    generation_seconds: float
+
+    @property
+    def passed(self) -> bool:
+        """Every check passed."""
+        return all(r.passed for r in self.gate)
+
+
+def write_evaluation(result: EvaluationResult, run_dir: Path) -> Path:
+    """Write ``run_dir/evaluation.json`` atomically."""
+    path = Path(run_dir) / "evaluation.json"
+    write_json_atomic(path, dataclasses.asdict(result), sort_keys=True)
+    return path
+
+
+def read_evaluation(run_dir: Path) -> EvaluationResult:
+    """Read ``run_dir/evaluation.json``.
+
+    Raises:
+        FileNotFoundError: the round has not been evaluated.
+    """
+    raw = json.loads((Path(run_dir) / "evaluation.json").read_text())
+    return EvaluationResult(
+        raw["report"], GateConfig(**raw["gate_config"]), tuple(GateResult(**g) for g in raw["gate"]), raw["generation_seconds"]
+    )
+
+
+def gate_results(summary: RoundSummary, report: dict[str, Any], gate: GateConfig) -> tuple[GateResult, ...]:
+    """The gate's three checks on a round (:mod:`flow_assets.rl.gate`)."""
+    return (
+        check_gain(report, gate),
+        check_finite_loss(summary.losses, summary.grad_norms),
+        check_kl(summary.kl_to_behaviour, gate),
+    )
+
+
+def evaluation_rows(results: list[RolloutResult], policy: str, mode: str) -> list[dict[str, Any]]:
+    """One :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` row per rollout (a failed one scores 0)."""
+    return [
+        {
+            "policy": policy, "mode": mode, "task_id": r.task_id, "completion": r.answer, "reward": r.score,
+            "success": r.success, "completion_tokens": r.completion_tokens, "llm_calls": r.llm_calls,
+            "tool_calls": r.tool_calls,
+        }
+        for r in results
+    ]  # fmt: skip
+
+
+def evaluate_agents(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    tasks: list[Task],
+    policies: dict[str, AdapterRef],
+    config: EvaluationConfig,
+    scratch_dir: str | Path,
+) -> tuple[pl.DataFrame, float]:
+    """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled at
+    ``config.sampled_temperature``), side by side through one in-process gateway; the rollouts do
+    not land (held-out tasks never train).
+
+    Returns:
+        Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
+    """
+    started = time.perf_counter()
+    with serve_policy(store, scratch_dir, extra=policies) as server:
+
+        async def everything():
+            runs = {
+                (name, mode): run_rollouts(
+                    server.url, agent, tasks, source.score, 1, agent_id=agent_id,
+                    config=HarnessConfig(config.concurrency, config.timeout_s, name, temperature, None, land=False),
+                )  # fmt: skip
+                for name in policies
+                for mode, temperature in config.temperatures.items()
+            }
+            done = await asyncio.gather(*runs.values())
+            return dict(zip(runs, done))
+
+        results = asyncio.run(everything())
+    rows = [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]
+    return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started
+
+
+def evaluate_candidate(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    summary: RoundSummary,
+    config: EvaluationConfig,
+) -> tuple[pl.DataFrame, EvaluationResult]:
+    """Candidate vs the champion it grew from, on the first ``max_tasks`` held-out tasks, and
+    the gate's verdict; writes ``evaluation.json`` into the round's directory."""
+    run_dir = store.round_dir(summary.batch)
+    held_out = source.tasks("held_out")[: config.max_tasks]
+    policies = {
+        "candidate": AdapterRef("candidate", summary.candidate_adapter),
+        "champion": AdapterRef(summary.parent_version, summary.parent_adapter),
+    }
+    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, policies, config, run_dir)
+    report = compare_policies(rows)
+    result = EvaluationResult(report, config.gate, gate_results(summary, report, config.gate), seconds)
+    write_evaluation(result, run_dir)
+    return rows, result
+
+
+def evaluate_version(
+    store: PolicyStore,
+    source: TaskSource,
+    agent: AgentFn,
+    agent_id: str,
+    version: AdapterRef,
+    config: EvaluationConfig,
+    scratch_dir: str | Path,
+) -> tuple[pl.DataFrame, dict[str, Any], float]:
+    """One registry version's agents on the first ``config.max_tasks`` held-out tasks (the same
+    tasks, modes and temperatures a round's gate uses; ``config.gate`` is not read): what
+    ``training.evaluate`` answers.
+
+    Returns:
+        Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` (``policy`` = the version),
+        :func:`~flow_assets.rl.evaluation.summarise_policy`'s report, and the wall time, seconds.
+
+    Raises:
+        OSError: the base model or the version's adapter cannot be loaded.
+    """
+    held_out = source.tasks("held_out")[: config.max_tasks]
+    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, {version.version: version}, config, scratch_dir)
+    return rows, summarise_policy(rows), seconds
+
+
+# -- promotion -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Promotion:
+    """A promotion: the new champion ``version`` (from ``previous``), its adapter, the metrics and
+    the reason recorded in the registry; ``challenger``: it entered live A/B against ``previous``
+    instead of replacing it."""
+
+    version: str
+    previous: str
+    adapter_path: str
+    metrics: dict[str, Any]
+    reason: str
+    challenger: bool = False
+
+
+def promote_candidate(store: PolicyStore, registry: Registry, batch: str, by: str, live_ab_share: float = 0.0) -> Promotion:
+    """Make the round's candidate the champion, after re-checking its stored gate; with
+    ``live_ab_share`` > 0 it becomes the challenger instead, served to that share of live
+    sessions until the live A/B decides (``ab_test_report``).
+
+    Raises:
+        RoundError: a gate check failed, the champion changed since the candidate's parent
+            (a candidate trained from an old champion must not replace a newer one), or (live
+            A/B) another challenger is still being tested.
+        FileNotFoundError: the round was not trained or evaluated.
+    """
+    run_dir = store.round_dir(batch)
+    summary, evaluation = read_round_summary(run_dir), read_evaluation(run_dir)
+    results = gate_results(summary, evaluation.report, evaluation.gate_config)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise RoundError("promotion refused: " + "; ".join(f"{r.name}: {r.reason}" for r in failed))
+    champion = require_champion(registry)
+    if champion["version"] != summary.parent_version:
+        raise RoundError(
+            f"candidate of batch {batch} was trained from {summary.parent_version}, but the champion is now {champion['version']}"
+        )
+    if live_ab_share > 0 and registry.challenger():
+        raise RoundError(f"{registry.challenger()['version']} is still in live A/B against {champion['version']}; this candidate waits for its decision")
+    version = registry.next_version()
+    target = store.adapter_dir(version)
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(summary.candidate_adapter, target)
+    metric = evaluation.gate_config.metric
+    mode = evaluation.report[metric]
+    metrics = {
+        "batch": batch,
+        f"{metric}_success": mode["candidate"]["success_rate"]["rate"],
+        "gain": mode["gain"],
+        "mcnemar_p": mode["mcnemar"]["p_value"],
+        "kl_to_behaviour": summary.kl_to_behaviour,
+    }
+    reason = "; ".join(r.reason for r in results)
+    if live_ab_share > 0:
+        registry.start_challenger(version, str(target), metrics, live_ab_share, by=by, reason=f"passed the held-out gate ({reason}); live A/B at {live_ab_share:.0%}")
+    else:
+        registry.promote(version, str(target), metrics, by=by, reason=reason)
+    return Promotion(version, champion["version"], str(target), metrics, reason, challenger=live_ab_share > 0)
+
+
+def finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite float entries of ``metrics`` (what Dagster metadata can plot)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)}
