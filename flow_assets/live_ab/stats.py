@@ -49,7 +49,7 @@ share, both arms at 5% success) pushed false rollbacks to 6.3%; pooling holds th
 why not pooled for every ``theta0``: at an uneven split with a real gain, the pooled rate is
 mostly the champion's, and the confidence sequence covered a 10 -> 20% gain at all looks in only
 85% of runs; constrained, it covers it in 95% or more. Both approximations are checked by
-simulation in ``tests/test_ab_decision.py``.
+simulation in ``tests/live_ab/test_stats.py``.
 
 Always-valid p-value and confidence sequence
 --------------------------------------------

@@ -188,7 +188,7 @@ def test_a_bad_settings_file_names_itself_and_the_key(tmp_path, text, message):
 
 
 def test_make_clean_removes_the_demos_settings_file_only(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     shutil.copy(repo / "Makefile", tmp_path / "Makefile")
     write_demo_file(tmp_path, {"lake": tmp_path / ".demo" / "lake"})
     (tmp_path / ".demo").mkdir()

@@ -163,7 +163,7 @@ def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dag
     (landing / "rollouts.jsonl").write_text("\n".join(rows) + "\n")
     tasks = TaskSourceResource(kind="jsonl", path=str(tmp_path / "tasks.jsonl"))
     defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), tasks=tasks)
-    overflow = {"ops": {"rewards": {"config": {"custom": {"*": ["tests.test_data_plane:huge_reward"]}}},
+    overflow = {"ops": {"rewards": {"config": {"custom": {"*": ["tests.data_plane.test_assets:huge_reward"]}}},
                         "advantages": {"config": {"normalise_over": "turn"}}}}  # fmt: skip
     tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), overflow)
     (key,) = tick.added_partitions

@@ -15,7 +15,7 @@ from flow_assets.logs.reader import detect_format, known_formats, parse_file
 from flow_assets.logs.records import UnreadableLogError
 from tests.conftest import TAU_BENCH
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLOWOPT = str(Path(sys.executable).with_name("flowopt"))
 
 

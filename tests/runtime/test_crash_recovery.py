@@ -116,7 +116,7 @@ def test_a_parse_pool_dies_with_its_owner_killed_by_sigkill(tmp_path):
 
     script = tmp_path / "owner.py"
     script.write_text(POOL_OWNER)
-    owner = subprocess.Popen([sys.executable, str(script), "2"], cwd=Path(__file__).parents[1])
+    owner = subprocess.Popen([sys.executable, str(script), "2"], cwd=Path(__file__).parents[2])
     family: list = []
     try:
         deadline = time.monotonic() + 120

@@ -13,7 +13,7 @@ from flow_assets.workflows.definition import WorkflowStore
 from flow_assets.workflows.review import ProposalBoard
 from resources.lake import TrajectoryLake
 from tests.conftest import SHARED_DATA, TAU_BENCH, run_cli
-from tests.test_workflows import SYNTHETIC_AGENT, canonical_records, synthetic_workflow, with_synthetic_steps
+from tests.workflows.test_workflows import SYNTHETIC_AGENT, canonical_records, synthetic_workflow, with_synthetic_steps
 
 #: one log of each real source (the unit tests read the others; ingesting all nine costs ~3x the time)
 TAU2 = SHARED_DATA / "tau2-bench" / "claude-sonnet-4-5_aide-platform_2025-10-31" / "claude-sonnet-4-5_airline_default_gpt4.1_1trials.json"

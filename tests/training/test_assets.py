@@ -30,7 +30,7 @@ from resources.tracking import ExperimentTracking
 from tests.conftest import TAU_BENCH
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 BASE = {"ops": {"base_policy": {"config": {"sft": {"steps": 300}, "sft_demonstrations": 300}}}}
 COLLECT = {"tasks_per_batch": 24, "group_size": 8}
@@ -137,7 +137,7 @@ def test_collected_batch_lands_with_behaviour_logprobs_and_gets_its_round(world)
     executions = world.instance.event_log_storage.get_latest_asset_check_execution_by_key(keys)
     assert set(executions) == set(keys)
     # the experiment tracker got every optimizer step, the held-out result and the round's point
-    from tests.test_tracking import scalars
+    from tests.training.test_tracking import scalars
 
     runs = world.root / "tensorboard" / "flowopt-spell_backward"
     series = scalars(runs / key)

@@ -20,7 +20,7 @@ from flow_assets.policy.tokenizer import build_char_tokenizer
 from flow_assets.policy.trainer import GRPORoundTrainer, GRPOTrainerConfig, TrainingSample, train_grpo_round
 from flow_assets.rl.grpo_loss import grpo_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32)
 
 
@@ -105,7 +105,7 @@ def test_zero_variance_group_gets_no_gradient(tmp_path):
 
 def test_resume_after_sigkill_continues_step_counter_and_optimizer_state(tmp_path):
     out = tmp_path / "round"
-    code = f"from tests.test_trainer import _run_killable_round; _run_killable_round({str(out)!r})"
+    code = f"from tests.policy.test_trainer import _run_killable_round; _run_killable_round({str(out)!r})"
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120

@@ -253,7 +253,7 @@ def test_a_copy_killed_midway_leaves_a_temporary_that_the_next_ingest_removes(tm
     landing = tmp_path / "landing"
     source = tmp_path / "source.jsonl"
     os.mkfifo(source)  # a source that never ends: the copy is still running when it is killed
-    copier = subprocess.Popen([sys.executable, "-c", LAND_ONE, str(source), str(landing)], cwd=Path(__file__).parents[1])
+    copier = subprocess.Popen([sys.executable, "-c", LAND_ONE, str(source), str(landing)], cwd=Path(__file__).parents[2])
     try:
         deadline = time.monotonic() + 120
         while not list((landing / "agent").glob(".*.tmp")) if (landing / "agent").is_dir() else True:

@@ -19,7 +19,7 @@ from flow_assets.logs.reader import FORMATS, detect_format, parse_file
 from flow_assets.logs.records import ParseResult, UnreadableLogError
 from flow_assets.logs.schema import Trajectory, json_schema
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # (relative path, simulations, reward == 1, tool calls per trajectory min/median/max): tau2 README.
 _SONNET = "claude-sonnet-4-5_aide-platform_2025-10-31"

@@ -28,7 +28,7 @@ from resources.lake import TrajectoryLake
 from tests.conftest import TAU_BENCH, postgres_database, run_cli
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "lifecycle-token"
 # prices that make the collected batch's served tokens cost cents (the budget case below)
 PRICES = {"FLOWOPT_POLICY_INPUT_USD_PER_MTOK": "1000", "FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK": "1000"}

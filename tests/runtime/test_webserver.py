@@ -12,7 +12,7 @@ import httpx
 
 from flow_assets.runtime.local import stop_process_group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUERY = """{ workspaceOrError { ... on Workspace { locationEntries { name
   locationOrLoadError { __typename ... on RepositoryLocation { repositories { name
     jobs { name } sensors { name } assetNodes { assetKey { path } } } } ... on PythonError { message } } } } } }"""

@@ -14,7 +14,7 @@ import pytest
 from flow_assets.api.jsonrpc import INVALID_PARAMS, INVALID_STATE, UNAUTHORISED, UNKNOWN_JOB
 from tests.conftest import TAU_BENCH, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "t0ken-for-tests"
 
 pytestmark = pytest.mark.slow
