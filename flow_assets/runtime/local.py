@@ -27,7 +27,7 @@ from filelock import FileLock
 from flow_assets.runtime.recovery import process_tags
 from flow_assets.settings import DEFAULT_DAGSTER_HOME
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def local_instance(home: str | os.PathLike | None = None) -> DagsterInstance:
