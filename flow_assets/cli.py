@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flow_assets.runtime.local import local_instance
 from flow_assets.logs.reader import known_formats
+from flow_assets.policy.configs import SERVE_MAX_TOKENS
 from flow_assets.settings import DEFAULT_DAGSTER_URL, DEFAULT_LANDING, DEFAULT_MODELS, Settings
 from resources.lake import TrajectoryLake
 
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base)")
-    serve.add_argument("--max-tokens", type=int, default=256, help="completion cap for calls that set none (default 256)")
+    serve.add_argument("--max-tokens", type=int, default=SERVE_MAX_TOKENS, help=f"completion cap for calls that set none (default {SERVE_MAX_TOKENS})")
     serve.add_argument("--source", default="gateway", help="landing sub-directory of rollouts that name no batch")
     serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
     serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")

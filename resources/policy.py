@@ -8,6 +8,7 @@ from typing import Literal
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flow_assets.policy.configs import ROUND_MAX_NEW_TOKENS
 from flow_assets.policy.store import PolicyStore
 from flow_assets.settings import DEFAULT_MODELS
 
@@ -31,7 +32,7 @@ class PolicyModel(ConfigurableResource):
     backend: Literal["transformers", "vllm"] = Field("transformers", description="the gateway's sampling backend")
     lora_rank: int = Field(16, description="LoRA rank of new adapters")
     lora_alpha: float = Field(32.0, description="LoRA alpha of new adapters")
-    max_new_tokens: int = Field(8, description="completion cap for calls that set none, tokens")
+    max_new_tokens: int = Field(ROUND_MAX_NEW_TOKENS, description="completion cap for calls that set none, tokens")
 
     def store(self) -> PolicyStore:
         """The pure description of this policy's directory."""

@@ -18,6 +18,17 @@ from typing import Any, ClassVar, Literal
 
 from flow_assets.rl.grpo_config import GRPOLossConfig
 
+ROUND_MAX_NEW_TOKENS = 8
+"""Completion cap in tokens where a caller of flowopt's own rounds sets none: the in-process
+sampler's default and the self-play gateway's (``PolicyStore.max_new_tokens``). The tiny
+character model's spell_backward answers fit in it; agents that need more ask per call (the
+calculator agents ask for 32 and 48 tokens). ``flowopt serve``, in front of a team's own agent,
+uses :data:`SERVE_MAX_TOKENS` instead."""
+
+SERVE_MAX_TOKENS = 256
+"""Completion cap in tokens for a call that sets none, when the gateway serves a team's agent
+(``flowopt serve``'s ``--max-tokens`` default, ``GatewayConfig.default_max_tokens``)."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -39,7 +50,7 @@ class SamplingConfig:
     num_samples: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = ROUND_MAX_NEW_TOKENS
     seed: int = 0
     max_batch_size: int = 1024
 

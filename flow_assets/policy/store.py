@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from flow_assets.policy.configs import ROUND_MAX_NEW_TOKENS
 from flow_assets.settings import DEFAULT_MODELS
 
 
@@ -23,7 +24,8 @@ class PolicyStore:
         models_root: the directory (base model, adapters, rounds, registry).
         base_model_path: the user's own base model directory; ``None`` = ``<models_root>/base``.
         lora_rank / lora_alpha: shape of new adapters.
-        max_new_tokens: the gateway's completion cap for calls that set none, tokens.
+        max_new_tokens: the gateway's completion cap for calls that set none, tokens
+            (:data:`~flow_assets.policy.configs.ROUND_MAX_NEW_TOKENS` by default).
         backend: ``"transformers"`` (CPU or GPU) or ``"vllm"`` (GPU) for the gateway's sampling.
     """
 
@@ -31,7 +33,7 @@ class PolicyStore:
     base_model_path: str | None = None
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = ROUND_MAX_NEW_TOKENS
     backend: str = "transformers"
 
     @property

@@ -9,11 +9,11 @@ held-out tasks, modes and temperatures the gate uses, so its numbers compare wit
 
 from pathlib import Path
 
-from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
-from pydantic import Field
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from flow_assets.training.champion import CHAMPION
 from flow_assets.serving.gateway.engine import AdapterRef
+from flow_assets.core.config import dagster_config
 from flow_assets.core.partitions import adapter_versions
 from flow_assets.rl.gate import GateConfig
 from flow_assets.training.rounds import EvaluationConfig, evaluate_version
@@ -24,27 +24,20 @@ from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 
 
-
-class AdapterEvaluationConfig(Config):
-    """What to evaluate on: the first ``max_tasks`` held-out tasks, in ``modes``."""
-
-    max_tasks: int = Field(500, ge=1, description="held-out tasks evaluated (the first N, fixed order, as the gate's)")
-    modes: list[str] = Field(["greedy", "sampled"], description="greedy (T = 0) and / or sampled (T = sampled_temperature)")
-    sampled_temperature: float = Field(1.0, gt=0, description="temperature of the sampled mode")
-    concurrency: int = Field(128, ge=1, description="agents running at once")
-    timeout_s: float = Field(120.0, gt=0, description="an agent running longer counts as a failure, seconds")
+class AdapterEvaluationConfig(dagster_config(EvaluationConfig, "AdapterEvaluationFields", exclude=("gate",))):
+    """What to evaluate on: the fields of :class:`~flow_assets.training.rounds.EvaluationConfig`
+    (declared once there, so these numbers compare with the rounds'), without its gate: nothing is
+    promoted here."""
 
     def to_pure(self) -> EvaluationConfig:
-        """The evaluation's pure config (its gate is not read: nothing is promoted here).
+        """The evaluation's pure config; its gate reads the first mode (the gate is not applied).
 
         Raises:
-            ValueError: an unknown mode.
+            ValueError: an unknown mode, or a temperature the dataclass refuses.
         """
-        modes = tuple(self.modes)
-        return EvaluationConfig(
-            max_tasks=self.max_tasks, concurrency=self.concurrency, timeout_s=self.timeout_s, modes=modes,
-            sampled_temperature=self.sampled_temperature, gate=GateConfig(metric=modes[0] if modes else "sampled"),
-        )  # fmt: skip
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in self.model_dump().items()}
+        modes = values.get("modes", ())
+        return EvaluationConfig(**values, gate=GateConfig(metric=modes[0] if modes else "sampled"))
 
 
 @asset(

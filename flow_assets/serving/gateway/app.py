@@ -72,6 +72,7 @@ from flow_assets.serving.gateway.protocol import (
 )
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
+from flow_assets.policy.configs import SERVE_MAX_TOKENS
 from flow_assets.policy.tool_calls import parse_tool_calls
 
 log = logging.getLogger("flowopt.gateway")
@@ -100,7 +101,7 @@ class GatewayConfig:
 
     max_batch_rows: int = 256
     max_wait_ms: float = 3.0
-    default_max_tokens: int = 256
+    default_max_tokens: int = SERVE_MAX_TOKENS
     rollout_timeout_s: float = 600.0
     batch_max_trajectories: int = 1024
     batch_flush_seconds: float = 300.0
