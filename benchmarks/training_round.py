@@ -3,7 +3,7 @@ other work inside the assets, and Dagster's own overhead.
 
 In a fresh child process (own ``DAGSTER_HOME``, lake, landing directory and models directory, all
 temporary): ``base_policy_job`` (tiny model + SFT warm start), then rounds exactly as
-``flowopt demo`` runs them (:func:`flow_assets.demo.run.run_round`): ``collect_rollouts_job`` ->
+``flowopt demo`` runs them (:func:`flow_assets.demo.in_process.run_round`): ``collect_rollouts_job`` ->
 ``new_logs_sensor`` tick -> ``log_batch_job`` -> ``training_round_sensor`` tick ->
 ``training_round_job`` (``policy_checkpoint`` -> ``evaluation_report`` -> ``promoted_adapter``).
 
@@ -21,7 +21,7 @@ The split of one round's wall time (seconds):
 Each round is one repeat (the champion changes between rounds, the work per round does not).
 
 The same rounds a second time the way ``flowopt demo`` runs them, launched by a real
-``dagster-daemon`` (:func:`flow_assets.demo.run.run_phase`: ``self_play_sensor`` ->
+``dagster-daemon`` (:func:`flow_assets.demo.phases.run_phase`: ``self_play_sensor`` ->
 ``collect_rollouts_job``, ``new_logs_sensor`` -> ``log_batch_job``, ``training_round_sensor`` ->
 ``training_round_job``; each run in a process of its own, from ``dagster.yaml``'s run launcher),
 with the same split: here ``dagster_overhead`` also holds the sensor ticks' waits, the queue and
@@ -62,7 +62,7 @@ def round_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, th
     set_torch_threads(threads)
     quiet_libraries()
     from flow_assets.definitions import build_definitions
-    from flow_assets.demo.run import run_round
+    from flow_assets.demo.in_process import run_round
     from flow_assets.runtime.local import local_instance, run_job
     from flow_assets.training.rounds import read_evaluation
     from resources.tasks import TaskSourceResource
@@ -119,7 +119,8 @@ def daemon_child(work: str, rounds: int, sft_steps: int, tasks_per_batch: int, t
     from dagster import RunsFilter
 
     from benchmarks.common import dagster_step_seconds, quiet_libraries
-    from flow_assets.demo.run import DemoState, Phase, run_phase
+    from flow_assets.demo.state import DemoState
+    from flow_assets.demo.phases import Phase, run_phase
     from flow_assets.runtime.local import local_instance
     from flow_assets.training.rounds import read_evaluation
     from resources.lake import TrajectoryLake

@@ -47,7 +47,8 @@ def _ingest(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _demo(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.demo.run import DemoState, DemoStateError, run_demo
+    from flow_assets.demo.state import DemoState, DemoStateError
+    from flow_assets.demo.run import run_demo
 
     try:
         run_demo(DemoState.from_settings(settings, args.state), reset=args.reset, settings=settings)
@@ -405,7 +406,7 @@ def _quiet_libraries() -> None:
 
 
 def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.demo.run import DemoState
+    from flow_assets.demo.state import DemoState
     from flow_assets.demo.ui_tour import TourError, tour
 
     state = DemoState.from_settings(settings, args.state)

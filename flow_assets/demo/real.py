@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from flow_assets.definitions import build_definitions
-from flow_assets.demo.run import DemoState, base_vs_final, held_out_summary, instance_cursor, run_rounds, save_cursor
+from flow_assets.demo.state import DemoState, instance_cursor, save_cursor
+from flow_assets.demo.in_process import base_vs_final, held_out_summary, run_rounds
 from flow_assets.runtime.local import REPO_ROOT, local_instance, tick_sensor
 from flow_assets.policy.presets import prepare_model
 from flow_assets.training.rounds import EvaluationConfig, landing_source

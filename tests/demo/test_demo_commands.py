@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flow_assets.demo.run import DemoState
+from flow_assets.demo.state import DemoState
 from flow_assets.settings import DEMO_FILE_HEADER, PROJECT_FILE, Settings, is_demo_file, read_project_file, write_demo_file
 from resources.registry import AdapterRegistry
 from tests.conftest import SHARED_DATA, make_policy_dir
@@ -108,7 +108,7 @@ def test_ingest_then_the_documented_dagster_command_then_proposals_find_the_demo
 def test_the_demos_workflow_proposals_phase_reports_what_proposals_list_shows(demo_dir):
     """The demo's last phase (run_demo calls it after the live A/B): workflow_proposals_job in
     process, on the demo's instance, and the report's ``workflows`` section."""
-    from flow_assets.demo.run import run_workflow_proposals
+    from flow_assets.demo.phases import run_workflow_proposals
     from flow_assets.runtime.local import local_instance
 
     root, state = demo_dir

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flow_assets.demo.run import MARKER, DemoState, DemoStateError, run_demo
+from flow_assets.demo.state import MARKER, DemoState, DemoStateError
+
+from flow_assets.demo.run import run_demo
 from flow_assets.settings import Settings
 
 

@@ -8,7 +8,9 @@ import time
 import pytest
 from dagster import AssetKey, DagsterRunStatus
 
-from flow_assets.demo.run import DemoState, Phase, phase_env, run_phase
+from flow_assets.demo.state import DemoState
+
+from flow_assets.demo.phases import Phase, phase_env, run_phase
 from flow_assets.runtime.deployment import Daemon
 from flow_assets.runtime.local import local_instance
 from flow_assets.runtime.run_launcher import PID_TAG
