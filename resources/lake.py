@@ -37,6 +37,7 @@ from dagster import ConfigurableResource
 from filelock import FileLock
 from pydantic import Field
 
+from flow_assets.logs.landing import LandedFile
 from flow_assets.settings import DEFAULT_LAKE
 
 
@@ -54,6 +55,15 @@ class BatchManifest:
     size_bytes: int
     fmt: str = "auto"
     landing_relpath: str = ""
+
+    @classmethod
+    def of_landed(cls, key: str, landed: LandedFile, sha256: str, fmt: str = "auto") -> BatchManifest:
+        """The manifest of batch ``key``: the landed file ``landed`` whose bytes hash to ``sha256``
+        (what ``new_logs_sensor`` and ``flowopt ingest`` both register)."""
+        return cls(
+            key=key, source=landed.source, original_path=str(landed.path), file_name=landed.path.name,
+            sha256=sha256, size_bytes=landed.size_bytes, fmt=fmt, landing_relpath=landed.relpath,
+        )  # fmt: skip
 
 
 _COPY_BLOCK = 1 << 22

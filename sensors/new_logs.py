@@ -80,18 +80,7 @@ def new_logs_sensor(context: SensorEvaluationContext, lake: TrajectoryLake, land
             continue
         for old in retired:
             context.log.info(f"batch {old}: retired, its file {landed.relpath} grew; batch {key} holds every record of it")
-        lake.register_batch(
-            BatchManifest(
-                key=key,
-                source=landed.source,
-                original_path=str(landed.path),
-                file_name=landed.path.name,
-                sha256=digest,
-                size_bytes=landed.size_bytes,
-                fmt=landing.format_for(landed.relpath),
-                landing_relpath=landed.relpath,
-            )
-        )
+        lake.register_batch(BatchManifest.of_landed(key, landed, digest, landing.format_for(landed.relpath)))
         new_keys.append(key)
     for path, why in refused:
         context.log.warning(f"{path}: {why}")

@@ -271,10 +271,7 @@ def ingest_files(
     for file in files:
         landed, digest = land(file, landing)
         key = batch_key(landed, digest)
-        manifest = BatchManifest(
-            key=key, source=landed.source, original_path=str(landed.path), file_name=landed.path.name,
-            sha256=digest, size_bytes=landed.size_bytes, fmt=fmt, landing_relpath=landed.relpath,
-        )  # fmt: skip
+        manifest = BatchManifest.of_landed(key, landed, digest, fmt)
         with lake.batch_lock(key):
             registered = instance.has_dynamic_partition(log_batches.name, key)
             run = force or not registered or key not in done
