@@ -8,7 +8,9 @@
 - :func:`mcnemar_exact`: McNemar's exact test for paired binary outcomes (candidate vs champion on the
   same tasks): a two-sided binomial test of the discordant pairs against ``p = 1/2``.
 - :func:`paired_bootstrap`: percentile bootstrap of the mean paired difference (Efron & Tibshirani
-  1993), with a seeded numpy ``Generator``.
+  1993), with a seeded numpy ``Generator``; with ``clusters`` it resamples whole clusters (the
+  turns of one trajectory stay together: Davison & Hinkley 1997, section 3.8, the cluster
+  bootstrap), since the turns of one conversation are not independent.
 
 Only the standard library and numpy are used (no scipy): the t quantile is found by bisection on
 the exact Student-t CDF for integer degrees of freedom (Abramowitz & Stegun 1964, 26.7.3-26.7.4).
@@ -93,6 +95,11 @@ class PairedBootstrapResult:
         n: number of pairs.
         n_resamples: bootstrap resamples drawn.
         seed: seed of the numpy ``Generator`` (same inputs + seed give the same numbers).
+        n_clusters: clusters resampled (``n`` when each pair is its own cluster).
+        p_value: two-sided bootstrap p-value of "no difference", ``min(1, 2 * min(P(d* <= 0),
+            P(d* >= 0)))`` over the resampled mean differences ``d*`` (the percentile interval's
+            test: it is below ``alpha`` exactly when the ``1 - alpha`` percentile interval
+            excludes 0).
     """
 
     mean_diff: float
@@ -102,6 +109,8 @@ class PairedBootstrapResult:
     n: int
     n_resamples: int
     seed: int
+    n_clusters: int = 0
+    p_value: float = 1.0
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -274,13 +283,18 @@ def paired_bootstrap(
     champion: Sequence[float],
     n_resamples: int = 10_000,
     seed: int = 0,
+    clusters: Sequence[object] | None = None,
 ) -> PairedBootstrapResult:
     """Percentile bootstrap of the mean paired difference ``candidate - champion``.
 
-    Resamples the task indices with replacement (pairs stay together), ``n_resamples`` times.
+    Resamples the pairs with replacement (pairs stay together), ``n_resamples`` times. With
+    ``clusters`` (one label per pair, e.g. the trajectory a turn belongs to), whole clusters are
+    resampled instead and each resample's statistic is the mean over all the pairs it holds (a
+    ratio estimator: a long trajectory weighs by its turns, as in the observed mean).
 
     Raises:
-        ValueError: if the sequences differ in length, are empty, or ``n_resamples < 1``.
+        ValueError: if the sequences differ in length, are empty, ``clusters`` has another length,
+            or ``n_resamples < 1``.
     """
     x = np.asarray(candidate, dtype=float)
     y = np.asarray(champion, dtype=float)
@@ -290,15 +304,29 @@ def paired_bootstrap(
         raise ValueError("n_resamples must be >= 1")
     diff = x - y  # [n]
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, diff.size, size=(n_resamples, diff.size))  # [resamples, n]
-    means = diff[idx].mean(axis=1)  # [resamples]
+    if clusters is None:
+        idx = rng.integers(0, diff.size, size=(n_resamples, diff.size))  # [resamples, n]
+        means = diff[idx].mean(axis=1)  # [resamples]
+        n_clusters = int(diff.size)
+    else:
+        if len(clusters) != diff.size:
+            raise ValueError(f"clusters has {len(clusters)} labels for {diff.size} pairs")
+        _, label = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)  # [n]
+        n_clusters = int(label.max()) + 1
+        sums = np.bincount(label, weights=diff, minlength=n_clusters)  # [clusters]
+        sizes = np.bincount(label, minlength=n_clusters).astype(float)  # [clusters]
+        picks = rng.integers(0, n_clusters, size=(n_resamples, n_clusters))  # [resamples, clusters]
+        means = sums[picks].sum(axis=1) / sizes[picks].sum(axis=1)  # [resamples]
     low, high = np.percentile(means, [2.5, 97.5])
+    not_better = float((means <= 0).mean())
     return PairedBootstrapResult(
         mean_diff=float(diff.mean()),
         ci_low=float(low),
         ci_high=float(high),
-        prob_not_better=float((means <= 0).mean()),
+        prob_not_better=not_better,
         n=int(diff.size),
         n_resamples=n_resamples,
         seed=seed,
+        n_clusters=n_clusters,
+        p_value=min(1.0, 2.0 * min(not_better, float((means >= 0).mean()))),
     )
