@@ -5,12 +5,16 @@ template exactly as it rendered it), ``token_ids`` (what was sampled), ``logprob
 behaviour log-probs) and ``temperature``. Training reads those ids back as they are (token in,
 token out): text is never re-tokenised, and tool results, which reach the policy only as part of
 a later turn's prompt, are context and never trained.
+
+Trajectories logged as text only (a team's own logs, no token ids) are re-rendered with the
+policy's chat template instead (:func:`text_training_samples`); captured ids always win.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import orjson
 import polars as pl
@@ -57,3 +61,82 @@ def training_samples(steps: pl.DataFrame, step_advantages: pl.DataFrame, traject
         )
         for prompt, tokens, advantage, logprobs, task_id, temperature in rows.iter_rows()
     ]
+
+
+@dataclass(frozen=True)
+class TextSamples:
+    """Training rows re-rendered from a batch's text-only trajectories (no logged token ids).
+
+    Attributes:
+        samples: one :class:`TrainingSample` per rendered assistant turn, ``behaviour_logprobs``
+            ``None`` (the round computes them with the logged version: see
+            :func:`flow_assets.training.rounds.train_candidate`).
+        adapter_versions: per sample, the ``adapter_version`` the trajectory logged (``None``
+            where it logged none).
+        trajectories: text-only trajectories of the agent read.
+        turns: assistant turns rendered (= ``len(samples)``).
+        skipped: ``(trajectory_id, turn, reason)`` for turns not rendered (e.g. a user message
+            the canonical record does not keep came before them).
+        assumed_temperature: trajectories that logged no sampling temperature (read as T = 1).
+    """
+
+    samples: list[TrainingSample]
+    adapter_versions: list[str | None]
+    trajectories: int
+    turns: int
+    skipped: list[tuple[str, int, str]]
+    assumed_temperature: int
+
+
+def text_training_samples(
+    interaction_logs: pl.DataFrame, step_advantages: pl.DataFrame, agent_id: str, tokenizer, context: Sequence[dict] = ()
+) -> TextSamples:
+    """Training rows of ``agent_id``'s trajectories that carry no token ids: each assistant turn
+    re-rendered with the policy's own chat template (:func:`flow_assets.policy.logged_rows.trajectory_rows`,
+    the gateway's renderer), one sample per turn, with the advantage of the turn's last step that
+    has one (its decision; per-step credit from the ``advantages`` asset).
+
+    Args:
+        interaction_logs: the batch's ``interaction_logs`` partition (``record_json``, ``agent_id``).
+        step_advantages: ``trajectory_id, index, advantage``.
+        agent_id: the agent whose flows train this policy.
+        tokenizer: the policy's tokenizer (its chat template).
+        context: messages the agent sent before its query (a system prompt), if any.
+
+    Returns:
+        :class:`TextSamples`. A trajectory with any captured token ids is left to
+        :func:`training_samples` (captured ids win); one that logged ``metadata.temperature``
+        is scored at it, others at T = 1 (counted in ``assumed_temperature``).
+    """
+    from flow_assets.logs.schema import Trajectory
+    from flow_assets.policy.logged_rows import trajectory_rows
+
+    advantage_of = {(t, int(i)): a for t, i, a in step_advantages.select("trajectory_id", "index", "advantage").iter_rows() if a is not None}
+    samples: list[TrainingSample] = []
+    versions: list[str | None] = []
+    skipped: list[tuple[str, int, str]] = []
+    read = assumed = 0
+    for (record,) in interaction_logs.filter(pl.col("agent_id") == agent_id).select("record_json").iter_rows():
+        trajectory = Trajectory.model_validate_json(record)
+        if any(step.token_ids is not None for step in trajectory.steps):
+            continue
+        read += 1
+        logged_t = trajectory.metadata.get("temperature")
+        temperature = float(logged_t) if isinstance(logged_t, (int, float)) and not isinstance(logged_t, bool) else 1.0
+        assumed += logged_t is None
+        rendered = trajectory_rows(tokenizer, trajectory, context=context, use_captured_ids=False)
+        skipped += [(trajectory.trajectory_id, turn, why) for turn, why in rendered.skipped]
+        for row in rendered.rows:
+            for turn in row.turns:
+                positions = [p for p, k in enumerate(row.turn_index) if k == turn]
+                steps = rendered.conversation.turns[turn].steps
+                credited = [advantage_of[(trajectory.trajectory_id, s)] for s in steps if (trajectory.trajectory_id, s) in advantage_of]
+                if not positions or not credited:
+                    skipped.append((trajectory.trajectory_id, turn, "no advantage for its steps"))
+                    continue
+                samples.append(TrainingSample(
+                    prompt_ids=row.input_ids[: positions[0]], completion_ids=row.input_ids[positions[0] : positions[-1] + 1],
+                    advantage=float(credited[-1]), task_id=trajectory.task_id, temperature=temperature,
+                ))  # fmt: skip
+                versions.append(trajectory.adapter_version)
+    return TextSamples(samples, versions, read, len(samples), skipped, assumed)

@@ -205,7 +205,7 @@ def policy_checkpoint(
     if failed := failed_data_checks(context.instance, key):
         raise Failure(f"batch {key!r} failed its blocking data checks {failed}: not trained (fix its logs and re-materialise advantages)")
     _check_job_budget(context, lake)
-    tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages")}
+    tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")}
     trainer = config.to_pure()
     tracker = tracking.open(tasks.agent_id, key)
     tracker.log_params(flat_params({"trainer": trainer.to_dict(), "negate_advantages": config.negate_advantages}))

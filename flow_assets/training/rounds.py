@@ -36,7 +36,7 @@ from flow_assets.serving.gateway.engine import AdapterRef
 from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.policy.chat import conversation_rows
 from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
-from flow_assets.policy.rollouts import batch_id_for, training_samples
+from flow_assets.policy.rollouts import TextSamples, batch_id_for, text_training_samples, training_samples
 from flow_assets.policy.store import PolicyStore
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
@@ -254,6 +254,14 @@ class RoundSummary:
         reward_mean / reward_std: of the batch's trajectories; zero_variance_share: of its groups.
         negate_advantages: trained against the advantages (a test of the gate).
         config: the trainer's exact config.
+        turns_captured / turns_text: turn rows from the gateway's captured token ids, and from
+            text logs re-rendered with the policy's chat template (their behaviour log-probs
+            recomputed by the version that logged them).
+        update_rule: ``"grpo"``: the clipped GRPO surrogate (captured and own-policy text rows).
+        sources: the landing sources of the agent's trajectories in the batch, sorted.
+        text_turns_skipped: text turns that could not be rendered (e.g. after a user message the
+            canonical record does not keep); text_temperature_assumed: text trajectories that
+            logged no sampling temperature, scored at T = 1.
     """
 
     batch: str
@@ -273,6 +281,12 @@ class RoundSummary:
     zero_variance_share: float
     negate_advantages: bool
     config: dict[str, Any] = field(default_factory=dict)
+    turns_captured: int = 0
+    turns_text: int = 0
+    update_rule: str = "grpo"
+    text_turns_skipped: int = 0
+    text_temperature_assumed: int = 0
+    sources: list[str] = field(default_factory=list)
 
 
 def write_round_summary(summary: RoundSummary, run_dir: Path) -> Path:
@@ -329,6 +343,42 @@ def kl_to_behaviour(
     return total / tokens
 
 
+def text_behaviour_logprobs(
+    store: PolicyStore, registry: Registry, champion: dict[str, Any], model, pad_id: int, text: TextSamples, micro_batch_size: int = 16
+) -> list[TrainingSample]:
+    """``text.samples`` with their behaviour log-probs: a teacher-forced pass (no gradient) of the
+    version each trajectory logged (``adapter_version``), at the sample's temperature, so the
+    importance ratio of a text row compares the trained policy with the policy that wrote the
+    text, as for a captured row. A row that names no version, or one the registry does not
+    hold, is scored by the champion (``model``, before training): the policy the round starts
+    from is then the assumed behaviour policy.
+    """
+    import torch
+
+    from flow_assets.policy.sampling import completion_logprobs
+
+    known = {e["version"]: e["adapter_path"] for e in registry.load()["history"] if e.get("version") and e.get("adapter_path")}
+    by_version: dict[str, list[int]] = {}
+    for i, version in enumerate(text.adapter_versions):
+        chosen = version if version in known and version != champion["version"] else champion["version"]
+        by_version.setdefault(chosen, []).append(i)
+    out = list(text.samples)
+    for version, indices in by_version.items():
+        scorer = model if version == champion["version"] else store.load(known[version], trainable=False)[0]
+        with torch.no_grad():
+            for start in range(0, len(indices), micro_batch_size):
+                chunk = indices[start : start + micro_batch_size]
+                micro = [text.samples[i] for i in chunk]
+                logp, _ = completion_logprobs(
+                    scorer, [s.prompt_ids for s in micro], [s.completion_ids for s in micro], pad_id, [s.temperature for s in micro]
+                )  # [mb, seq], completions right-aligned
+                for row, i in enumerate(chunk):
+                    n = len(out[i].completion_ids)
+                    values = logp[row, logp.shape[1] - n :].tolist() if n else []
+                    out[i] = dataclasses.replace(out[i], behaviour_logprobs=values)
+    return out
+
+
 def train_candidate(
     store: PolicyStore,
     registry: Registry,
@@ -361,13 +411,24 @@ def train_candidate(
     from flow_assets.policy.lora import save_lora_adapter
     from flow_assets.policy.trainer import CheckpointMismatch, train_grpo_round
 
-    samples = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
-    if not samples:
-        raise RoundError(f"batch {batch} has no turns of the trainable agent {agent_id!r} with token ids")
-    if negate_advantages:
-        samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
+    captured = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
     champion = require_champion(registry)
     model, tokenizer = store.load(champion["adapter_path"], trainable=True)
+    text = TextSamples([], [], 0, 0, [], 0)
+    if "interaction_logs" in tables:
+        text = text_training_samples(tables["interaction_logs"], tables["step_advantages"], agent_id, tokenizer)
+    if text.samples:
+        rescored = text_behaviour_logprobs(store, registry, champion, model, tokenizer.pad_token_id, text, config.micro_batch_size or 16)
+        text = dataclasses.replace(text, samples=rescored)
+    samples = captured + text.samples
+    if not samples:
+        reasons = "; ".join(sorted({why for _, _, why in text.skipped}))[:500]
+        raise RoundError(
+            f"batch {batch} has no trainable turn of the agent {agent_id!r} (with token ids, or as text the policy's "
+            f"chat template renders{': ' + reasons if reasons else ''})"
+        )
+    if negate_advantages:
+        samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
     run_dir = store.round_dir(batch)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = dataclasses.replace(config, output_dir=str(run_dir / "checkpoints"))
@@ -408,6 +469,11 @@ def train_candidate(
         zero_variance_share=float(groups["zero_variance"].mean()),
         negate_advantages=negate_advantages,
         config=config.to_dict(),
+        turns_captured=len(captured),
+        turns_text=len(text.samples),
+        text_turns_skipped=len(text.skipped),
+        text_temperature_assumed=text.assumed_temperature,
+        sources=sorted({s for s in tables["trajectories"].filter(pl.col("agent_id") == agent_id)["source"].to_list() if s}),
     )
     write_round_summary(summary, run_dir)
     return summary, result.steps

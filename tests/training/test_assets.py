@@ -423,3 +423,57 @@ def test_training_evaluate_runs_one_version_on_the_held_out_tasks_the_gate_used(
     assert rate["successes"] == sum(mine["success"].to_list()) and rate["ci_low"] <= rate["rate"] <= rate["ci_high"]
     listed = {j["job_id"]: j for j in service.list_jobs(ListJobsParams())}
     assert listed[status["job_id"]]["kind"] == "evaluate"
+
+
+def test_the_agents_own_text_log_trains_on_the_turns_it_captured(world):
+    """A text log of the policy's own agent (flat records with ``adapter_version``, no token ids),
+    dropped into the landing directory, gets its round from the sensor; its turns, re-rendered with
+    the chat template, are the ids the gateway captured for the same text, and their behaviour
+    log-probs, recomputed by the logged version, are the sampler's."""
+    from flow_assets.policy.rollouts import text_training_samples, training_samples
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.training.rounds import text_behaviour_logprobs
+
+    lake, source = TrajectoryLake(root=str(world.root / "lake")), TaskSourceResource()
+    captured_key = min(k for k in world.instance.get_dynamic_partitions("log_batches") if k.startswith("r0001."))
+    trajectories = lake.read_partition("trajectories", captured_key).filter(pl.col("agent_id") == source.agent_id)
+    steps = lake.read_partition("steps", captured_key)
+    prompts = {t.task_id: t.prompt for t in source.source().tasks()}
+    answers = dict(steps.filter(pl.col("index") == 0).select("trajectory_id", "output").iter_rows())
+    records = [
+        {"task_id": task, "input": prompts[task], "response": answers[tid], "score": score, "agent_id": source.agent_id,
+         "adapter_version": "v0", "interaction_id": f"text/{tid}"}
+        for tid, task, score in trajectories.select("trajectory_id", "task_id", "outcome_score").iter_rows()
+    ]  # fmt: skip
+    landing = world.root / "landing" / "production"
+    landing.mkdir(parents=True, exist_ok=True)
+    (landing / "spell-agent.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (key,) = world.land_and_process()
+    assert world.training_requests() == [key]  # the agent's own flows train, token ids or not
+
+    store = PolicyStore(str(world.models))
+    champion = world.registry.champion()
+    assert champion["version"] != "v0"  # the text was written by v0: its log-probs must come from v0
+    model, tokenizer = store.load(champion["adapter_path"])
+    text = text_training_samples(lake.read_partition("interaction_logs", key), lake.read_partition("step_advantages", key),
+                                 source.agent_id, tokenizer)  # fmt: skip
+    assert text.trajectories == len(records) and text.turns == len(records) and not text.skipped
+    assert text.assumed_temperature == len(records)  # the flat log says no temperature: T = 1, as collected
+    rescored = text_behaviour_logprobs(store, world.registry, champion, model, tokenizer.pad_token_id, text)
+    mine = {(tuple(s.prompt_ids), tuple(s.completion_ids)): s.behaviour_logprobs for s in rescored}
+    original = training_samples(steps, lake.read_partition("step_advantages", captured_key), trajectories, source.agent_id)
+    finished = [s for s in original if s.completion_ids and s.completion_ids[-1] == tokenizer.eos_token_id]
+    assert len(finished) > len(original) // 2
+    for sample in finished:  # a completion cut at max_new_tokens has no eos; re-rendered text ends its turn
+        logprobs = mine[(tuple(sample.prompt_ids), tuple(sample.completion_ids))]
+        assert logprobs == pytest.approx(sample.behaviour_logprobs, abs=2e-4)
+
+    result = world.train(key, evaluation=OPEN_GATE)
+    assert result.success, failure(result)
+    summary, _ = world.round_files(key)
+    assert (summary.turns_captured, summary.turns_text) == (0, len(records))
+    assert summary.sources == ["production"] and summary.update_rule == "grpo"
+    assert world.run("training_history_job").success
+    record = world.instance.fetch_materializations(AssetKey("training_history"), limit=1).records[0]
+    last = [r.data for r in record.asset_materialization.metadata["history"].value.records][-1]
+    assert (last["batch"], last["source"], last["update_rule"], last["turns_text"]) == (key, "production", "grpo", len(records))
