@@ -20,10 +20,18 @@ entry point in the group :data:`ENTRY_POINT_GROUP`; its name is the format's nam
 
 Detection tries the built-in formats first, then each plug-in's ``detect`` in name order.
 docs/log-format.md, section 7, has a worked example (SWE-agent ``.traj`` files).
+
+Three formats that ship with flowopt use this same protocol (:data:`BUILTIN_PLUGINS`: OpenAI
+chat messages, Anthropic Messages, OpenTelemetry GenAI spans). They are declared here, in code,
+not as entry points of flowopt's own ``pyproject.toml``: an entry point exists only once the
+package's metadata is reinstalled, so an environment installed before they were added (or a
+checkout run from ``PYTHONPATH``) would silently lack them; declared here, they load exactly as an
+entry point is loaded (import the module, check ``detect``/``parse``) wherever flowopt runs.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +39,15 @@ from pathlib import Path
 from typing import Any
 
 ENTRY_POINT_GROUP = "flowopt.log_formats"
+
+BUILTIN_PLUGINS: dict[str, str] = {
+    "anthropic-messages": "flow_assets.logs.formats.anthropic_messages",
+    "openai-chat": "flow_assets.logs.formats.openai_messages",
+    "otel-genai": "flow_assets.logs.formats.otel_genai",
+}
+"""Formats shipped with flowopt through the plug-in protocol: name -> module with ``detect`` and
+``parse`` (module docstring says why they are not entry points). Their ``detect`` functions
+exclude one another, so name order does not decide between them."""
 
 
 class PluginFormatError(RuntimeError):
@@ -48,16 +65,17 @@ class LogFormat:
     detect: Callable[[Path], bool]
     parse: Callable[..., Any]
     origin: str
+    builtin: bool = False
 
 
 _REGISTERED: dict[str, LogFormat] = {}
 
 
-def _as_format(name: str, obj: Any, origin: str) -> LogFormat:
+def _as_format(name: str, obj: Any, origin: str, builtin: bool = False) -> LogFormat:
     detect, parse = getattr(obj, "detect", None), getattr(obj, "parse", None)
     if not callable(detect) or not callable(parse):
         raise PluginFormatError(f"log format {name!r} ({origin}) needs callable 'detect' and 'parse'")
-    return LogFormat(name, detect, parse, origin)
+    return LogFormat(name, detect, parse, origin, builtin)
 
 
 def register_format(name: str, detect: Callable[[Path], bool], parse: Callable[..., Any]) -> LogFormat:
@@ -77,13 +95,17 @@ def unregister_format(name: str) -> None:
 
 
 def plugin_formats() -> dict[str, LogFormat]:
-    """Every plug-in format, by name, sorted: the entry points of :data:`ENTRY_POINT_GROUP`
-    installed in this environment, then those registered in code (which win on a name clash).
+    """Every plug-in format, by name, sorted: flowopt's :data:`BUILTIN_PLUGINS`, the entry
+    points of :data:`ENTRY_POINT_GROUP` installed in this environment, then those registered in
+    code (later ones win on a name clash, so a package may replace a built-in one).
 
     Raises:
         PluginFormatError: an entry point does not import or lacks ``detect``/``parse``.
     """
-    found: dict[str, LogFormat] = {}
+    found: dict[str, LogFormat] = {
+        name: _as_format(name, importlib.import_module(module), f"built in: {module}", builtin=True)
+        for name, module in BUILTIN_PLUGINS.items()
+    }
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             obj = entry.load()

@@ -67,6 +67,11 @@ _SNIFF_LINE_BYTES = DEFAULT_MAX_RECORD_BYTES
 
 
 def _jsonl_kind(record: dict[str, Any]) -> str | None:
+    if isinstance(record.get("messages"), list):
+        # A chat transcript (OpenAI chat messages; an Anthropic request logged with its
+        # "response", which would look flat): flat and canonical records never hold "messages"
+        # (both refuse unknown keys), so the chat plug-in formats detect it instead.
+        return None
     if "steps" in record or "trajectory_id" in record:
         return "canonical"
     if "response" in record or "input" in record:
@@ -140,10 +145,13 @@ def _sniff_lines(lines: list[bytes]) -> str | None:
 
 
 def _unrecognised() -> str:
-    plugins = [name for name in plugin_formats() if name not in FORMATS]
+    formats = plugin_formats()
+    plugins = [name for name, fmt in formats.items() if name not in FORMATS and not fmt.builtin]
+    shipped = [name for name, fmt in formats.items() if name not in FORMATS and fmt.builtin]
     return (
-        "unrecognised log format: not canonical or flat JSONL, nor a tau-bench, tau2 or FireAct JSON document "
-        f"(gzip-compressed or not){', nor any plug-in format (' + ', '.join(plugins) + ')' if plugins else ''}; "
+        "unrecognised log format: not canonical or flat JSONL, nor a tau-bench, tau2 or FireAct JSON document, "
+        f"nor {', '.join(shipped)} (gzip-compressed or not)"
+        f"{', nor any plug-in format (' + ', '.join(plugins) + ')' if plugins else ''}; "
         "convert it to the canonical format (`flowopt schema`, docs/log-format.md), name a format with --format, "
         "or add a plug-in parser (docs/log-format.md, section 7)"
     )
