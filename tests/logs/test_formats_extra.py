@@ -15,7 +15,7 @@ import yaml
 from flow_assets.logs.plugins import BUILTIN_PLUGINS, plugin_formats
 from flow_assets.logs.reader import detect_format, known_formats, parse_file
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 DRONE = DATA / "openai-chat" / "drone_training.head1.jsonl"
 TOY = DATA / "openai-chat" / "toy_chat_fine_tuning.head4.jsonl"
 CASSETTE = DATA / "anthropic-messages" / "test_anthropic_tools_history_legacy.yaml"
