@@ -10,7 +10,13 @@ import torch
 from flow_assets.logs.reader import parse_file
 from flow_assets.logs.schema import Outcome, Step, Trajectory
 from flow_assets.policy.chat import COMPACT_CHAT_TEMPLATE, assistant_turn_ids, conversation_rows
-from flow_assets.policy.logged_rows import render_drift, trajectory_conversation, trajectory_rows
+from flow_assets.policy.logged_rows import (
+    chat_conversation,
+    conversation_training_rows,
+    render_drift,
+    trajectory_conversation,
+    trajectory_rows,
+)
 from flow_assets.policy.sampling import completion_logprobs
 from flow_assets.policy.store import PolicyStore
 from flow_assets.policy.tool_calls import parse_tool_calls
@@ -232,3 +238,22 @@ def test_parallel_captured_calls_get_their_results_by_call_id():
     assert assistant["content"] is None and [c["id"] for c in assistant["tool_calls"]] == ["a", "b"]
     assert (first["tool_call_id"], first["content"], second["tool_call_id"], second["content"]) == ("a", "2", "b", "4")
 
+
+
+def test_a_conversation_logged_whole_trains_every_assistant_turn_in_one_row(calculator_policy_dir, shared_data):
+    _, tokenizer = PolicyStore(str(calculator_policy_dir)).load()
+    runs = json.loads((shared_data / "tau-bench" / "gpt-4o-airline.json").read_text())[:5]
+    for run in runs:
+        result = conversation_training_rows(tokenizer, chat_conversation(run["traj"]))
+        (row,) = result.rows  # the compact template is prefix-consistent: ~12 turns, one pass
+        assistant = [m for m in run["traj"] if m["role"] == "assistant"]
+        assert not result.skipped and row.turns == tuple(range(len(assistant)))
+        for k, message in enumerate(assistant):
+            expected = message.get("content") or ""
+            for call in message.get("tool_calls") or []:
+                args = json.loads(call["function"]["arguments"])
+                one = next(iter(args.values())) if len(args) == 1 else None
+                body = one if isinstance(one, str) and one.count("(") == one.count(")") else json.dumps(args)
+                expected += f"@{call['function']['name']}({body})"
+            if expected.isascii():  # the tiny tokenizer is printable ASCII
+                assert tokenizer.decode(_turn_tokens(row, k), skip_special_tokens=True) == expected

@@ -41,6 +41,12 @@ one only where these did not occur):
   tau-bench's gpt-4o-airline (no message holds two calls) and approximate for tau2, where 30 to
   50% of the messages with calls hold several.
 
+Rebuilt from the canonical record, 202 of tau-bench's 2,454 assistant turns have a known context
+(8%; tau2 about 7%), FireAct's all of them. Where the log holds the messages whole (tau-bench's
+``traj``), :func:`chat_conversation` trains every turn: with SmolLM2's template, 200 rows (one per
+conversation, all prefix-consistent) of 4,332 tokens on average instead of 2,454 per-turn rows
+holding 9.5 times as many tokens.
+
 Two step conventions are read (:func:`trajectory_conversation`):
 
 - *turn steps* (the gateway's capture, ``flow_assets.serving.gateway.capture``): one decision step
@@ -283,6 +289,22 @@ def trajectory_conversation(
             known = False  # a user message answered this text; the trajectory does not hold it
     turns = [AssistantTurn(t.message_index, tuple(s), t.context_known, t.captured) for t, s in zip(turns, steps_of)]
     return LoggedConversation(messages, list(tools) if tools else None, tuple(turns))
+
+
+def chat_conversation(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> LoggedConversation:
+    """A conversation whose messages were logged whole (OpenAI chat messages: tau-bench's
+    ``traj``, an OpenAI chat-messages JSONL line): every assistant message is a turn and every
+    context is known. For logs with user turns after the first this is the complete source that
+    :func:`trajectory_conversation` cannot rebuild from the canonical record.
+
+    Raises:
+        ValueError: a message without a ``role``.
+    """
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] has no role")
+    turns = tuple(AssistantTurn(i, (), True) for i, m in enumerate(messages) if m["role"] == "assistant")
+    return LoggedConversation([dict(m) for m in messages], list(tools) if tools else None, turns)
 
 
 def is_token_prefix(prefix: Sequence[int], ids: Sequence[int]) -> bool:
