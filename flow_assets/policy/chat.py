@@ -216,13 +216,43 @@ def render_prompt(
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def assistant_turn_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: Sequence[dict[str, Any]],
+    k: int,
+    tools: Sequence[dict[str, Any]] | None = None,
+    fmt: ChatFormat | None = None,
+) -> tuple[list[int], list[int]]:
+    """``(prompt ids, completion ids)`` of the assistant message ``conversation[k]``: the
+    conversation before it rendered with the generation prompt (what the gateway gives the policy
+    for that turn), and the rest of the rendered conversation up to and including that message's
+    end-of-turn token (``eos``; the module docstring's cut).
+
+    Raises:
+        ValueError: ``conversation[k]`` is not an assistant message, or the template does not
+            render ``conversation[:k + 1]`` as the prompt of turn ``k`` followed by that turn.
+        jinja2.TemplateError: the template rejects the messages.
+    """
+    if conversation[k].get("role") != "assistant":
+        raise ValueError(f"message {k} is a {conversation[k].get('role')!r} message, not an assistant turn")
+    fmt = fmt or chat_format(tokenizer)
+    prompt, prompt_ids = render_prompt(tokenizer, conversation[:k], tools, add_generation_prompt=True, fmt=fmt)
+    full, _ = render_prompt(tokenizer, conversation[: k + 1], tools, add_generation_prompt=False, fmt=fmt)
+    if not full.startswith(prompt):
+        raise ValueError(f"the chat template does not extend the prompt of turn {k} with that turn")
+    completion = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id in completion:  # sampling stops at eos; what follows opens the next turn
+        completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+    return prompt_ids, completion
+
+
 def conversation_rows(
     tokenizer: PreTrainedTokenizerBase,
     conversation: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
-    """One ``(prompt ids, completion ids)`` row per assistant message of ``conversation``; the
-    completion ends with the turn's end-of-turn token (``eos``).
+    """One ``(prompt ids, completion ids)`` row per assistant message of ``conversation``
+    (:func:`assistant_turn_ids`); the completion ends with the turn's end-of-turn token (``eos``).
 
     Raises:
         ValueError: the template does not render a conversation as its prefix followed by the
@@ -230,18 +260,11 @@ def conversation_rows(
             assistant message.
     """
     fmt = chat_format(tokenizer)
-    rows = []
-    for k, message in enumerate(conversation):
-        if message.get("role") != "assistant":
-            continue
-        prompt, prompt_ids = render_prompt(tokenizer, conversation[:k], tools, add_generation_prompt=True, fmt=fmt)
-        full, _ = render_prompt(tokenizer, conversation[: k + 1], tools, add_generation_prompt=False, fmt=fmt)
-        if not full.startswith(prompt):
-            raise ValueError(f"the chat template does not extend the prompt of turn {k} with that turn")
-        completion = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
-        if tokenizer.eos_token_id in completion:  # sampling stops at eos; what follows opens the next turn
-            completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
-        rows.append((prompt_ids, completion))
+    rows = [
+        assistant_turn_ids(tokenizer, conversation, k, tools, fmt)
+        for k, message in enumerate(conversation)
+        if message.get("role") == "assistant"
+    ]
     if not rows:
         raise ValueError("a demonstration needs at least one assistant message")
     return rows
