@@ -89,7 +89,12 @@ class TextSamples:
 
 
 def text_training_samples(
-    interaction_logs: pl.DataFrame, step_advantages: pl.DataFrame, agent_id: str, tokenizer, context: Sequence[dict] = ()
+    interaction_logs: pl.DataFrame,
+    step_advantages: pl.DataFrame,
+    agent_id: str,
+    tokenizer,
+    context: Sequence[dict] = (),
+    max_length: int | None = None,
 ) -> TextSamples:
     """Training rows of ``agent_id``'s trajectories that carry no token ids: each assistant turn
     re-rendered with the policy's own chat template (:func:`flow_assets.policy.logged_rows.trajectory_rows`,
@@ -102,6 +107,9 @@ def text_training_samples(
         agent_id: the agent whose flows train this policy.
         tokenizer: the policy's tokenizer (its chat template).
         context: messages the agent sent before its query (a system prompt), if any.
+        max_length: the model's context in tokens; a turn whose prompt and completion exceed it
+            is skipped with that reason (not truncated: a cut prompt is a context the policy
+            never saw).
 
     Returns:
         :class:`TextSamples`. A trajectory with any captured token ids is left to
@@ -133,6 +141,9 @@ def text_training_samples(
                 credited = [advantage_of[(trajectory.trajectory_id, s)] for s in steps if (trajectory.trajectory_id, s) in advantage_of]
                 if not positions or not credited:
                     skipped.append((trajectory.trajectory_id, turn, "no advantage for its steps"))
+                    continue
+                if max_length is not None and positions[-1] + 1 > max_length:
+                    skipped.append((trajectory.trajectory_id, turn, f"{positions[-1] + 1} tokens, over the model's context of {max_length}"))
                     continue
                 samples.append(TrainingSample(
                     prompt_ids=row.input_ids[: positions[0]], completion_ids=row.input_ids[positions[0] : positions[-1] + 1],

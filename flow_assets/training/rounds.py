@@ -21,7 +21,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -257,7 +257,8 @@ class RoundSummary:
         turns_captured / turns_text: turn rows from the gateway's captured token ids, and from
             text logs re-rendered with the policy's chat template (their behaviour log-probs
             recomputed by the version that logged them).
-        update_rule: ``"grpo"``: the clipped GRPO surrogate (captured and own-policy text rows).
+        update_rule: ``"grpo"``: the clipped GRPO surrogate (captured and own-policy text rows);
+            ``"awr"``: advantage-weighted likelihood (another model's flows).
         sources: the landing sources of the agent's trajectories in the batch, sorted.
         text_turns_skipped: text turns that could not be rendered (e.g. after a user message the
             canonical record does not keep); text_temperature_assumed: text trajectories that
@@ -371,10 +372,9 @@ def text_behaviour_logprobs(
                 micro = [text.samples[i] for i in chunk]
                 logp, _ = completion_logprobs(
                     scorer, [s.prompt_ids for s in micro], [s.completion_ids for s in micro], pad_id, [s.temperature for s in micro]
-                )  # [mb, seq], completions right-aligned
+                )  # [mb, seq]: row r's completion token t at column t (as kl_to_behaviour reads them)
                 for row, i in enumerate(chunk):
-                    n = len(out[i].completion_ids)
-                    values = logp[row, logp.shape[1] - n :].tolist() if n else []
+                    values = logp[row, : len(out[i].completion_ids)].tolist()
                     out[i] = dataclasses.replace(out[i], behaviour_logprobs=values)
     return out
 
@@ -389,6 +389,7 @@ def train_candidate(
     negate_advantages: bool = False,
     kl_samples: int | None = 256,
     on_step: Callable[[StepMetrics], None] | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -396,7 +397,13 @@ def train_candidate(
     Args:
         tables: the batch's lake partitions ``steps``, ``step_advantages``, ``trajectories`` and
             ``advantages``.
-        agent_id: the trainable agent; only its trajectories' turns are trained.
+        agent_id: the trainable agent (the task source's own): its turns train with the clipped
+            GRPO surrogate, from captured token ids or re-rendered from its text logs.
+        sources: ``agent_id -> update rule`` of the agents whose flows train the policy
+            (:meth:`resources.loop.TrainingLoop.update_rules`); ``None``: ``agent_id`` alone. The
+            round takes the batch's ``"grpo"`` agents' turns when it has any (update rule
+            ``"grpo"``), else its ``"awr"`` agents' text turns (advantage-weighted likelihood:
+            another model's flows have no behaviour log-probs of this policy).
         config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
         negate_advantages: train against the advantages (to test that the gate blocks it).
         kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
@@ -411,22 +418,36 @@ def train_candidate(
     from flow_assets.policy.lora import save_lora_adapter
     from flow_assets.policy.trainer import CheckpointMismatch, train_grpo_round
 
-    captured = training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], agent_id)
+    rules = dict(sources or {}) | {agent_id: "grpo"}
+    present = set(tables["trajectories"]["agent_id"].to_list()) & set(rules)
+    grpo_agents = sorted(a for a in present if rules[a] == "grpo")
+    update_rule = "grpo" if grpo_agents else "awr"
+    trained_agents = grpo_agents or sorted(a for a in present if rules[a] == "awr")
+    captured = [s for a in grpo_agents for s in training_samples(tables["steps"], tables["step_advantages"], tables["trajectories"], a)]
     champion = require_champion(registry)
     model, tokenizer = store.load(champion["adapter_path"], trainable=True)
     text = TextSamples([], [], 0, 0, [], 0)
     if "interaction_logs" in tables:
-        text = text_training_samples(tables["interaction_logs"], tables["step_advantages"], agent_id, tokenizer)
-    if text.samples:
+        for agent in trained_agents:
+            more = text_training_samples(
+                tables["interaction_logs"], tables["step_advantages"], agent, tokenizer,
+                max_length=getattr(model.config, "max_position_embeddings", None),
+            )  # fmt: skip
+            text = TextSamples(
+                text.samples + more.samples, text.adapter_versions + more.adapter_versions, text.trajectories + more.trajectories,
+                text.turns + more.turns, text.skipped + more.skipped, text.assumed_temperature + more.assumed_temperature,
+            )  # fmt: skip
+    if text.samples and update_rule == "grpo":
         rescored = text_behaviour_logprobs(store, registry, champion, model, tokenizer.pad_token_id, text, config.micro_batch_size or 16)
         text = dataclasses.replace(text, samples=rescored)
     samples = captured + text.samples
     if not samples:
         reasons = "; ".join(sorted({why for _, _, why in text.skipped}))[:500]
         raise RoundError(
-            f"batch {batch} has no trainable turn of the agent {agent_id!r} (with token ids, or as text the policy's "
-            f"chat template renders{': ' + reasons if reasons else ''})"
+            f"batch {batch} has no trainable turn of {', '.join(map(repr, trained_agents or [agent_id]))} (with token ids, or as "
+            f"text the policy's chat template renders{': ' + reasons if reasons else ''})"
         )
+    config = dataclasses.replace(config, update_rule=update_rule)
     if negate_advantages:
         samples = [dataclasses.replace(s, advantage=-s.advantage) for s in samples]
     run_dir = store.round_dir(batch)
@@ -473,7 +494,8 @@ def train_candidate(
         turns_text=len(text.samples),
         text_turns_skipped=len(text.skipped),
         text_temperature_assumed=text.assumed_temperature,
-        sources=sorted({s for s in tables["trajectories"].filter(pl.col("agent_id") == agent_id)["source"].to_list() if s}),
+        update_rule=update_rule,
+        sources=sorted({s for s in tables["trajectories"].filter(pl.col("agent_id").is_in(trained_agents))["source"].to_list() if s}),
     )
     write_round_summary(summary, run_dir)
     return summary, result.steps

@@ -435,14 +435,17 @@ def test_the_agents_own_text_log_trains_on_the_turns_it_captured(world):
     from flow_assets.training.rounds import text_behaviour_logprobs
 
     lake, source = TrajectoryLake(root=str(world.root / "lake")), TaskSourceResource()
-    captured_key = min(k for k in world.instance.get_dynamic_partitions("log_batches") if k.startswith("r0001."))
+    champion = world.registry.champion()
+    # a batch collected by a version that is not the champion now: its log-probs must come from that version
+    version_of = {k: k.split(".")[2].rsplit("-", 1)[0] for k in world.instance.get_dynamic_partitions("log_batches") if k.startswith("r0")}
+    captured_key, logged_version = min((k, v) for k, v in version_of.items() if v != champion["version"])
     trajectories = lake.read_partition("trajectories", captured_key).filter(pl.col("agent_id") == source.agent_id)
     steps = lake.read_partition("steps", captured_key)
     prompts = {t.task_id: t.prompt for t in source.source().tasks()}
     answers = dict(steps.filter(pl.col("index") == 0).select("trajectory_id", "output").iter_rows())
     records = [
         {"task_id": task, "input": prompts[task], "response": answers[tid], "score": score, "agent_id": source.agent_id,
-         "adapter_version": "v0", "interaction_id": f"text/{tid}"}
+         "adapter_version": logged_version, "interaction_id": f"text/{tid}"}
         for tid, task, score in trajectories.select("trajectory_id", "task_id", "outcome_score").iter_rows()
     ]  # fmt: skip
     landing = world.root / "landing" / "production"
@@ -452,8 +455,6 @@ def test_the_agents_own_text_log_trains_on_the_turns_it_captured(world):
     assert world.training_requests() == [key]  # the agent's own flows train, token ids or not
 
     store = PolicyStore(str(world.models))
-    champion = world.registry.champion()
-    assert champion["version"] != "v0"  # the text was written by v0: its log-probs must come from v0
     model, tokenizer = store.load(champion["adapter_path"])
     text = text_training_samples(lake.read_partition("interaction_logs", key), lake.read_partition("step_advantages", key),
                                  source.agent_id, tokenizer)  # fmt: skip
@@ -477,3 +478,40 @@ def test_the_agents_own_text_log_trains_on_the_turns_it_captured(world):
     record = world.instance.fetch_materializations(AssetKey("training_history"), limit=1).records[0]
     last = [r.data for r in record.asset_materialization.metadata["history"].value.records][-1]
     assert (last["batch"], last["source"], last["update_rule"], last["turns_text"]) == (key, "production", "grpo", len(records))
+
+
+def test_another_models_flows_named_as_a_source_train_by_advantage_weighted_likelihood(world):
+    """Flows of another agent (a teacher's right and wrong answers, text only) stop after
+    ``advantages`` by default; named in the loop's ``sources`` with ``awr``, the sensor requests
+    their round and it imitates the positive-advantage answers only."""
+    from resources.loop import TrainingLoop
+
+    source = TaskSourceResource()
+    train = source.source().tasks("train")[:40]
+    records = []
+    for task in train:
+        for name, answer, score in (("right", task.demonstration, 1.0), ("wrong", task.demonstration[::-1] + "x", 0.0)):
+            records.append({"task_id": task.task_id, "input": task.prompt, "response": answer, "score": score,
+                            "agent_id": "teacher", "interaction_id": f"teacher/{task.task_id}/{name}"})  # fmt: skip
+    landing = world.root / "landing" / "teacher"
+    landing.mkdir(parents=True, exist_ok=True)
+    (landing / "teacher.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (key,) = world.land_and_process()
+    assert world.training_requests() == []  # not the policy's own agent, and no source names it
+
+    defs = build_definitions(
+        str(world.root / "lake"), str(world.root / "landing"), models_root=str(world.models), tasks=source,
+        loop=TrainingLoop(sources={"teacher": "awr"}),
+    )  # fmt: skip
+    # a fresh cursor: batches decided before are asked for again if they never trained; ours is new
+    assert key in [r.partition_key for r in tick_sensor(defs, world.instance, "training_round_sensor").run_requests]
+    config = RoundSettings(trainer={"learning_rate": 2e-3}, evaluation={**EVAL, **OPEN_GATE}).run_config()
+    result = run_job(defs, world.instance, "training_round_job", key, config)
+    assert result.success, failure(result)
+    summary, evaluation = world.round_files(key)
+    assert summary.update_rule == "awr" and summary.sources == ["teacher"]
+    assert (summary.turns_captured, summary.turns_text) == (0, len(records))
+    # filtered behaviour cloning: the right answers (positive advantage) train, the wrong ones not
+    assert (summary.num_samples, summary.dropped_zero_advantage) == (len(train), len(train))
+    assert summary.config["update_rule"] == "awr"
+    assert evaluation.report["sampled"]["n_tasks"] == EVAL["max_tasks"]
