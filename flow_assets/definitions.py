@@ -68,7 +68,9 @@ def build_resources(
         "policy": PolicyModel(models_root=settings.models, base_model_path=settings.base_model),
         "registry": AdapterRegistry(root=settings.models),
         "tasks": tasks or TaskSourceResource(kind=settings.tasks),
-        "loop": loop or TrainingLoop(self_play_rounds=settings.self_play_rounds, run_config_path=settings.run_config),
+        "loop": loop or TrainingLoop(
+            self_play_rounds=settings.self_play_rounds, run_config_path=settings.run_config, sources=dict(settings.training_sources)
+        ),
         "tracking": tracking or ExperimentTracking(target=settings.tracking),
         "live_ab": live_ab or LiveAB(enabled=settings.live_ab, share=settings.live_ab_share),
         "judge": judge or judge_from_settings(settings),

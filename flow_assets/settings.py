@@ -62,6 +62,23 @@ def _tokens(var: str, raw: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in raw.split(",") if t.strip())
 
 
+#: how the flows of an agent other than the policy's own train it (``FLOWOPT_TRAINING_SOURCES``)
+UPDATE_RULES = ("grpo", "awr")
+
+
+def _sources(var: str, raw: str) -> tuple[tuple[str, str], ...]:
+    """``"agent=awr,agent2=grpo"`` -> ``(("agent", "awr"), ("agent2", "grpo"))``."""
+    pairs = []
+    for item in (part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        agent, sep, rule = (p.strip() for p in item.rpartition("="))
+        if not sep or not agent or rule not in UPDATE_RULES:
+            raise ValueError(f"{var}: {item!r} is not <agent_id>=<update rule> with a rule among {', '.join(UPDATE_RULES)}")
+        pairs.append((agent, rule))
+    return tuple(pairs)
+
+
 def _flag(var: str, raw: str) -> bool:
     if raw.lower() in _TRUE:
         return True
@@ -140,6 +157,11 @@ class Settings:
             [FLOWOPT_SELF_PLAY_ROUNDS].
         run_config: JSON file ``{job name: run config}`` the sensors launch runs with
             [FLOWOPT_RUN_CONFIG].
+        training_sources: agents other than the task source's own whose logged flows train the
+            policy, each with its update rule: ``awr`` (another model's flows) or ``grpo`` (text
+            the policy itself wrote, logged under another agent id)
+            [FLOWOPT_TRAINING_SOURCES, ``agent_id=rule`` comma-separated]; empty (the default):
+            only the policy's own agent trains it.
         tracking: experiment tracking target, ``""`` = off [FLOWOPT_TRACKING].
         live_ab: whether a gated candidate enters live A/B as challenger [FLOWOPT_LIVE_AB].
         live_ab_share: the challenger's share of sessions, in (0, 1) [FLOWOPT_LIVE_AB_SHARE].
@@ -174,6 +196,7 @@ class Settings:
     sensor_interval_seconds: int = _var("FLOWOPT_SENSOR_INTERVAL_SECONDS", DEFAULT_SENSOR_INTERVAL_SECONDS, _count(1))
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))
     run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
+    training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)
     tracking: str = _var("FLOWOPT_TRACKING", "")
     live_ab: bool = _var("FLOWOPT_LIVE_AB", False, _flag)
     live_ab_share: float = _var("FLOWOPT_LIVE_AB_SHARE", 0.1, _number(0.0, 1.0, open_low=True))

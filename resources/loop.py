@@ -9,6 +9,7 @@ from typing import Any
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from flow_assets.settings import UPDATE_RULES
 from flow_assets.training.run_config import TRAINING_JOB, round_settings
 
 #: the jobs whose runs the sensors launch, i.e. the keys a run-config file may have
@@ -23,6 +24,10 @@ class TrainingLoop(ConfigurableResource):
             if there is no champion, then collects a batch of the champion's rollouts on the task
             source whenever the previous batch's round has finished, until this many rounds are
             done. 0 (the default): off; batches then come only from logs that land.
+        sources: agents other than the task source's own whose logged flows train the policy,
+            with their update rule (``"awr"``: advantage-weighted likelihood, for another model's
+            flows; ``"grpo"``: the policy's own text logged under another agent id); the task
+            source's own agent always trains with ``"grpo"``. Empty by default.
         run_config_path: a JSON file ``{job name: run config}`` (keys from :data:`LOOP_JOBS`)
             that the sensors attach to the runs they request, e.g. the gate's ``max_tasks`` or
             the trainer's learning rate; ``None``: every job's defaults. Its
@@ -33,7 +38,26 @@ class TrainingLoop(ConfigurableResource):
     """
 
     self_play_rounds: int = Field(0, description="rounds self_play_sensor runs on its own (0: off)")
+    sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="agent_id -> update rule (awr: another model's flows; grpo: the policy's own text under another id) "
+        "for agents besides the task source's own, whose batches then train the policy too",
+    )
     run_config_path: str | None = Field(None, description="JSON file {job name: run config} the sensors launch runs with")
+
+    def update_rules(self, own_agent: str) -> dict[str, str]:
+        """``agent_id -> update rule`` of every agent whose flows train the policy: :attr:`sources`
+        and ``own_agent`` (always ``"grpo"``).
+
+        Raises:
+            ValueError: a rule other than ``"grpo"`` / ``"awr"``, or ``own_agent`` mapped to ``"awr"``.
+        """
+        for agent, rule in self.sources.items():
+            if rule not in UPDATE_RULES:
+                raise ValueError(f"training source {agent!r}: unknown update rule {rule!r} (one of {', '.join(UPDATE_RULES)})")
+        if self.sources.get(own_agent, "grpo") != "grpo":
+            raise ValueError(f"the policy's own agent {own_agent!r} trains with grpo (its token ids or its own text), not awr")
+        return {**self.sources, own_agent: "grpo"}
 
     def run_config(self, job_name: str) -> dict[str, Any]:
         """The run config for ``job_name`` from :attr:`run_config_path` (``{}`` when none).

@@ -1,12 +1,15 @@
 """``training_round_sensor``: every batch of the trainable policy's rollouts gets its round.
 
 A batch qualifies when its ``advantages`` partition is materialised and its trajectories include
-rollouts of the trainable policy (the task source's ``agent_id`` with logged token ids), and the
+flows of an agent that trains the policy: the task source's ``agent_id`` (its rollouts captured by
+the gateway, or its own text logs), or an agent of the training loop's ``sources``
+(``FLOWOPT_TRAINING_SOURCES``, e.g. another model's flows, trained by advantage-weighted
+likelihood), and the
 blocking data checks of the run that produced it passed (a batch with non-finite advantages
 never reaches training). Batches
 served while a live A/B ran (:func:`flow_assets.live_ab.evidence.ab_windows`) are the experiment's evidence
 and are not trained on. Batches
-of other agents (e.g. the tau-bench or FireAct logs) stop after ``advantages``. Rounds run one at
+of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
 The instance, not only the cursor, says what is done: a batch that already has a run of
@@ -55,7 +58,8 @@ def trained_batches(instance: DagsterInstance) -> set[str]:
     minimum_interval_seconds=sensor_interval(),
     default_status=DefaultSensorStatus.RUNNING,
     description=(
-        "Each log batch of the trainable agent's rollouts whose advantages are "
+        "Each log batch of the trainable agent's flows (captured rollouts or its text logs; or an agent of "
+        "FLOWOPT_TRAINING_SOURCES) whose advantages are "
         "materialised and whose data checks passed gets one run of training_round_job. Batches of "
         "other agents stop after advantages; a batch that already has a training run is never "
         "requested again, and a batch served during a live A/B (the experiment's evidence) is not trained on."
@@ -76,6 +80,7 @@ def training_round_sensor(
     ]
     skipped = []
     windows = ab_windows(registry.load()["history"]) if ready else []
+    rules = loop.update_rules(tasks.agent_id)
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)
         if failed:
@@ -84,7 +89,7 @@ def training_round_sensor(
             context.log.warning(f"batch {key}: data check(s) {', '.join(failed)} failed; no training round")
             continue
         traj = lake.read_partition("trajectories", key)
-        mine = traj.filter(pl.col("agent_id") == tasks.agent_id)
+        mine = traj.filter(pl.col("agent_id").is_in(list(rules)))
         trainable = mine.height > 0
         decided.add(key)
         during_ab = served_during_ab(mine, windows)

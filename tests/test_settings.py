@@ -173,3 +173,16 @@ def test_the_project_file_variable_picks_the_file_or_none(tmp_path):
     (tmp_path / ".flowopt.toml").write_text('project_file = "x.toml"\n')
     with pytest.raises(ValueError, match="FLOWOPT_PROJECT_FILE"):
         Settings.load({}, tmp_path)
+
+
+def test_training_sources_name_agents_and_their_update_rules():
+    from resources.loop import TrainingLoop
+
+    settings = Settings.from_environ({"FLOWOPT_TRAINING_SOURCES": "gpt-4o-airline=awr, my-agent-v1 = grpo,"})
+    assert settings.training_sources == (("gpt-4o-airline", "awr"), ("my-agent-v1", "grpo"))
+    with pytest.raises(ValueError, match="FLOWOPT_TRAINING_SOURCES.*'gpt-4o=sft'"):
+        Settings.from_environ({"FLOWOPT_TRAINING_SOURCES": "gpt-4o=sft"})
+    loop = TrainingLoop(sources=dict(settings.training_sources))
+    assert loop.update_rules("calc") == {"gpt-4o-airline": "awr", "my-agent-v1": "grpo", "calc": "grpo"}
+    with pytest.raises(ValueError, match="own agent 'calc' trains with grpo"):
+        TrainingLoop(sources={"calc": "awr"}).update_rules("calc")

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from flow_assets.rl.awr_loss import AWRLossConfig
 from flow_assets.rl.grpo_config import GRPOLossConfig
 
 ROUND_MAX_NEW_TOKENS = 8
@@ -204,6 +205,13 @@ class GRPOTrainerConfig:
         "global L2 norm the gradients are clipped to (``clip_grad_norm_``).")})
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig, metadata={"description": (
         "the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).")})
+    update_rule: Literal["grpo", "awr"] = field(default="grpo", metadata={"description": (
+        "``\"grpo\"``: the clipped GRPO surrogate (``loss``), for the policy's own turns (captured, or text it "
+        "logged, re-rendered); ``\"awr\"``: advantage-weighted likelihood (``awr``), for flows another model "
+        "wrote. A training round sets it from the batch's agents (the training loop's ``sources``).")})
+    awr: AWRLossConfig = field(default_factory=AWRLossConfig, metadata={"description": (
+        "the advantage-weighted likelihood's settings (weighting, clip, KL weight), used when ``update_rule`` is "
+        "``\"awr\"``.")})
     seed: int = field(default=0, metadata={"description": (
         "seeds minibatch order and the torch/numpy/python RNGs at the start of the round.")})
     save_steps: int = field(default=50, metadata={"description": (
@@ -216,6 +224,10 @@ class GRPOTrainerConfig:
         "a weak quality signal (held-out evaluation picks the candidate); retention only bounds disk use.")})
     best_mode: Literal["min", "max"] = field(default="min", metadata={"description": (
         "``\"min\"`` keeps the lowest scores, ``\"max\"`` the highest.")})
+
+    def __post_init__(self) -> None:
+        if self.update_rule not in ("grpo", "awr"):
+            raise ValueError(f"update_rule must be 'grpo' or 'awr', got {self.update_rule!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON-ready data (the nested loss config a nested object): what a
@@ -231,5 +243,6 @@ class GRPOTrainerConfig:
         """
         values = dict(data)
         loss = GRPOLossConfig(**values.pop("loss", {}))
-        return cls(**values, loss=loss)
+        awr = AWRLossConfig(**values.pop("awr", {}))
+        return cls(**values, loss=loss, awr=awr)
 

@@ -69,6 +69,7 @@ from transformers import PreTrainedModel
 
 from flow_assets.policy.configs import GRPOTrainerConfig, TrainingSample
 from flow_assets.policy.sampling import completion_logprobs
+from flow_assets.rl.awr_loss import awr_loss
 from flow_assets.rl.grpo_loss import grpo_loss
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -88,6 +89,8 @@ class StepMetrics:
         kl: mean k3 KL to the reference (0 when ``beta == 0``).
         num_tokens: completion tokens in the minibatch.
         num_samples: completions in the minibatch.
+        mean_weight: under the ``"awr"`` update rule, the mean row weight (token-weighted; there
+            ``mean_ratio`` is 1 and nothing is clipped); 0 under ``"grpo"``.
     """
 
     step: int
@@ -100,6 +103,7 @@ class StepMetrics:
     kl: float
     num_tokens: int
     num_samples: int
+    mean_weight: float = 0.0
 
 
 @dataclass
@@ -111,7 +115,8 @@ class RoundResult:
         final_step: last step number reached (0 when nothing was trained).
         resumed_from: step of the checkpoint the round resumed from, else ``None``.
         num_samples: samples trained on (non-zero advantage).
-        num_dropped_zero_advantage: samples dropped because their advantage is exactly 0.
+        num_dropped_zero_advantage: samples left out because they cannot move the policy: advantage
+            exactly 0, or (update rule ``"awr"`` with ``"positive"`` weighting) not above 0.
         latest_checkpoint: path of the last checkpoint written (``None`` when nothing was trained).
         kept_checkpoints: checkpoint directories left after retention, by step.
         seconds: wall-clock time of this call.
@@ -175,7 +180,10 @@ class GRPORoundTrainer:
                     f"sample {i}: {len(s.behaviour_logprobs)} behaviour log-probs for "
                     f"{len(s.completion_ids)} completion tokens"
                 )
-        self.samples = [s for s in samples if s.advantage != 0.0 and s.completion_ids]
+        # a row that cannot move the policy is left out: zero advantage under GRPO, and under
+        # filtered behaviour cloning (AWR "positive") every row without a positive advantage
+        keep = (lambda s: s.advantage > 0.0) if (self.config.update_rule == "awr" and self.config.awr.weighting == "positive") else (lambda s: s.advantage != 0.0)
+        self.samples = [s for s in samples if keep(s) and s.completion_ids]
         self.num_dropped = len(samples) - len(self.samples)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -269,24 +277,35 @@ class GRPORoundTrainer:
         size = self.config.micro_batch_size or len(batch)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, weighted = 0.0, {"clip_fraction": 0.0, "clip_low_fraction": 0.0, "clip_high_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0}
+        loss = 0.0
+        weighted = {"clip_fraction": 0.0, "clip_low_fraction": 0.0, "clip_high_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0, "mean_weight": 0.0}
         for start in range(0, len(batch), size):
             micro = batch[start : start + size]
             prompts = [s.prompt_ids for s in micro]
             completions = [s.completion_ids for s in micro]
             temperatures = [s.temperature for s in micro]
             logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
-            logp_old = self._behaviour_logprobs(micro, logp_new)  # [mb, seq]
-            ref_logp = self._reference_logprobs(prompts, completions, temperatures) if loss_config.beta > 0 else None
             advantages = torch.tensor([s.advantage for s in micro], dtype=logp_new.dtype)  # [mb]
-            out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, loss_config)
+            if self.config.update_rule == "awr":
+                awr = self.config.awr
+                ref_logp = self._reference_logprobs(prompts, completions, temperatures) if awr.beta_kl > 0 else None
+                out = awr_loss(logp_new, mask, advantages, ref_logp, awr)
+                loss_type = awr.loss_type
+                # no behaviour policy, so no ratio and nothing clipped
+                values = {"mean_ratio": 1.0, "kl": out.mean_kl, "mean_weight": out.mean_weight}
+            else:
+                logp_old = self._behaviour_logprobs(micro, logp_new)  # [mb, seq]
+                ref_logp = self._reference_logprobs(prompts, completions, temperatures) if loss_config.beta > 0 else None
+                out = grpo_loss(logp_new, logp_old, advantages, mask, ref_logp, loss_config)
+                loss_type = loss_config.loss_type
+                values = {"clip_fraction": out.clip_fraction, "clip_low_fraction": out.clip_low_fraction,
+                          "clip_high_fraction": out.clip_high_fraction, "mean_ratio": out.mean_ratio, "kl": out.mean_kl}  # fmt: skip
             tokens = out.num_tokens
-            weight = tokens / total_tokens if loss_config.loss_type in ("dapo", "bnpo") else len(micro) / len(batch)
+            weight = tokens / total_tokens if loss_type in ("dapo", "bnpo") else len(micro) / len(batch)
             (out.loss * weight).backward()
             loss += float(out.loss.detach()) * weight
-            for name, value in (("clip_fraction", out.clip_fraction), ("clip_low_fraction", out.clip_low_fraction),
-                                ("clip_high_fraction", out.clip_high_fraction), ("mean_ratio", out.mean_ratio), ("kl", out.mean_kl)):
-                weighted[name] += value * tokens / total_tokens  # fmt: skip
+            for name, value in values.items():
+                weighted[name] += value * tokens / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         return StepMetrics(step=step, loss=loss, grad_norm=float(grad_norm), **weighted, num_tokens=total_tokens, num_samples=len(batch))

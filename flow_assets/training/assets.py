@@ -61,6 +61,7 @@ from flow_assets.training.rounds import (
     read_round_summary,
     train_candidate,
 )
+from resources.loop import TrainingLoop
 from resources.landing import LogLanding
 from resources.lake import TrajectoryLake
 from resources.policy import PolicyModel
@@ -193,10 +194,13 @@ def policy_checkpoint(
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
     tracking: ExperimentTracking,
+    loop: TrainingLoop,
 ) -> MaterializeResult:
-    """A candidate LoRA adapter: the champion trained on this batch's turn rows with the clipped
-    GRPO surrogate. Checkpoints every N steps; a re-run after a kill resumes from the latest.
-    Each step is logged to the run log and, when set, to the experiment tracker."""
+    """A candidate LoRA adapter: the champion trained on this batch's turn rows, with the clipped
+    GRPO surrogate (the policy's own turns: captured, or its text logs re-rendered) or, for a batch
+    of another model's flows named in FLOWOPT_TRAINING_SOURCES, advantage-weighted likelihood.
+    Checkpoints every N steps; a re-run after a kill resumes from the latest. Each step is logged
+    to the run log and, when set, to the experiment tracker."""
     # the trainer (torch) loads with the run that trains, not with the code location
     from flow_assets.policy.trainer import TrainingPaused
 
@@ -223,7 +227,8 @@ def policy_checkpoint(
 
     try:
         summary, steps = train_candidate(
-            policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples, log_step
+            policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples, log_step,
+            sources=loop.update_rules(tasks.agent_id),
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc

@@ -27,7 +27,7 @@ COLUMNS = {
     "promoted": "whether the candidate became the champion",
     "verdict": "the gate's decision in one line",
     "source": "where the trained flows came from: the landing source(s) of the agent's trajectories in the batch",
-    "update_rule": "how they trained: grpo (clipped surrogate on captured or re-rendered own-policy turns)",
+    "update_rule": "how they trained: grpo (clipped surrogate on captured or re-rendered own-policy turns) or awr (advantage-weighted likelihood on another model's flows)",
     "turns_captured": "turn rows with the gateway's captured token ids",
     "turns_text": "turn rows re-rendered from text logs (behaviour log-probs recomputed by the logged version)",
     "reward_mean": "mean reward of the batch's trajectories",

@@ -39,8 +39,9 @@ KL_SAMPLES = 256
 TinyModelRunConfig = dagster_config(TinyModelConfig, "TinyModelRunConfig")
 SFTRunConfig = dagster_config(SFTConfig, "SFTRunConfig")
 CollectRunConfig = dagster_config(CollectConfig, "CollectRunConfig")
-# output_dir is the round's own (its directory under the models root), never a run setting
-TrainerRunConfig = dagster_config(GRPOTrainerConfig, "TrainerRunConfig", exclude=("output_dir",))
+# output_dir is the round's own (its directory under the models root), and the update rule follows
+# from the batch's agents (the training loop's sources): neither is a run setting
+TrainerRunConfig = dagster_config(GRPOTrainerConfig, "TrainerRunConfig", exclude=("output_dir", "update_rule"))
 EvaluationRunConfig = dagster_config(EvaluationConfig, "EvaluationRunConfig")
 
 
@@ -74,7 +75,7 @@ def round_run_config(
     Raises:
         ValueError: ``trainer.output_dir`` was set.
     """
-    train = run_config_values(trainer or GRPOTrainerConfig(), exclude=("output_dir",))
+    train = run_config_values(trainer or GRPOTrainerConfig(), exclude=("output_dir", "update_rule"))
     if negate_advantages:
         train["negate_advantages"] = True
     if kl_samples != KL_SAMPLES:

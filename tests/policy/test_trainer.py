@@ -233,3 +233,31 @@ def test_a_pause_after_a_step_checkpoints_it_and_resume_ends_where_an_uninterrup
     for (n, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         if a.requires_grad:
             assert torch.allclose(a, b, atol=1e-5), n
+
+
+def test_awr_round_raises_the_likelihood_of_positive_rows_and_leaves_the_others_out(tmp_path):
+    """Filtered behaviour cloning (update rule "awr", weighting "positive"): rows with a positive
+    advantage are imitated (their likelihood rises), the others are left out of the round, and the
+    step's loss is the hand-computed -sum(A * logp) / tokens at the first step."""
+    from flow_assets.rl.awr_loss import AWRLossConfig
+
+    model, tok = _policy()
+    rollouts = sample_rollouts(model, tok, ["abc=", "hello=", "xyz="], SamplingConfig(num_samples=8, max_new_tokens=5, seed=1))
+    # no behaviour log-probs: another model wrote these
+    samples = [TrainingSample(r.prompt_ids, r.completion_ids, 0.5 if r.sample_index % 2 == 0 else -1.0) for r in rollouts]
+    positive = [s for s in samples if s.advantage > 0]
+    with torch.no_grad():
+        logp, mask = completion_logprobs(model, [s.prompt_ids for s in positive], [s.completion_ids for s in positive], 0)
+    expected_first_loss = float(-(0.5 * logp * mask).sum() / mask.sum())  # dapo: every kept token weighs the same
+    before = _mean_logprob(model, positive)
+    config = GRPOTrainerConfig(
+        output_dir=str(tmp_path), learning_rate=1e-2, num_iterations=4, minibatch_size=len(positive), save_steps=100,
+        update_rule="awr", awr=AWRLossConfig(weighting="positive", positive_weight="advantage"),
+    )  # fmt: skip
+    trainer = GRPORoundTrainer(model, samples, config)
+    assert (len(trainer.samples), trainer.num_dropped) == (len(positive), len(samples) - len(positive))
+    result = trainer.train()
+    assert result.steps[0].loss == pytest.approx(expected_first_loss, rel=1e-4)
+    assert result.steps[0].mean_weight == pytest.approx(0.5) and result.steps[0].mean_ratio == 1.0
+    assert result.steps[0].clip_fraction == 0.0
+    assert _mean_logprob(model, positive) > before + 0.05
