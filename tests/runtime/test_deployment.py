@@ -100,3 +100,53 @@ def test_a_slow_code_server_delays_runs_instead_of_failing_them(tmp_path):
     assert instance.code_server_process_startup_timeout >= 600
     assert queue.max_user_code_failure_retries >= 3 and queue.max_concurrent_runs == 4
     assert instance.run_coordinator.dequeue_interval_seconds == 1  # a round's runs wait 0-1 s each, not 0-5 s
+
+
+def test_a_text_log_of_the_agent_dropped_into_landing_is_trained_by_the_daemon(deployment):
+    """The policy's own agent's flows logged as text (flat records naming the version that wrote
+    them, no token ids), dropped into the landing directory of a running deployment: its sensors
+    land, process and train the batch with no manual step, and training_history records where the
+    flows came from and how they trained."""
+    import json
+
+    import polars as pl
+
+    from resources.tasks import TaskSourceResource
+
+    state, instance, phase, _ = deployment
+    source = TaskSourceResource(kind=phase.kind)
+    lake = TrajectoryLake(root=str(state.lake))
+    (collected,) = [k for k in instance.get_dynamic_partitions("log_batches") if k.startswith("r0001.")]
+    trajectories = lake.read_partition("trajectories", collected)
+    answers = dict(lake.read_partition("steps", collected).filter(pl.col("index") == 0).select("trajectory_id", "output").iter_rows())
+    prompts = {t.task_id: t.prompt for t in source.source().tasks()}
+    records = [
+        {"task_id": task, "input": prompts[task], "response": answers[tid], "score": score, "agent_id": source.agent_id,
+         "adapter_version": "v0", "interaction_id": f"production/{tid}"}
+        for tid, task, score in trajectories.select("trajectory_id", "task_id", "outcome_score").iter_rows()
+    ]  # fmt: skip
+    before = {r.run_id for r in instance.get_runs()}
+    landing = state.landing / "production"
+    landing.mkdir(parents=True, exist_ok=True)
+    staged = landing / ".agent.jsonl.tmp"  # written whole, then renamed: the sensor never reads a partial file
+    staged.write_text("".join(json.dumps(r) + "\n" for r in records))
+    staged.rename(landing / "agent.jsonl")
+    config = state.home / "run-config.reasoning_gym.json"
+    with Daemon(phase_env(state, phase, config), state.home / "daemon-3.log") as daemon:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and daemon.alive():
+            new = [r for r in instance.get_runs() if r.run_id not in before]
+            history = [r for r in new if r.job_name == "training_history_job" and r.status == DagsterRunStatus.SUCCESS]
+            if history and any(r.job_name == "training_round_job" and r.is_finished for r in new):
+                break
+            time.sleep(1)
+        tail = daemon.log_tail(5000)
+    new = {r.job_name: r for r in instance.get_runs() if r.run_id not in before}
+    assert set(new) == {"log_batch_job", "training_round_job", "training_history_job"}, tail
+    assert {r.tags.get("dagster/sensor_name") for r in new.values()} == {"new_logs_sensor", "training_round_sensor", "training_history_sensor"}
+    key = new["training_round_job"].tags["dagster/partition"]
+    assert key.startswith("production.")
+    history = instance.get_latest_materialization_event(AssetKey("training_history")).asset_materialization.metadata
+    rows = [r.data for r in history["history"].value.records]
+    last = next(r for r in rows if r["batch"] == key)
+    assert (last["source"], last["update_rule"], last["turns_captured"], last["turns_text"]) == ("production", "grpo", 0, len(records))
