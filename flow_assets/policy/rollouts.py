@@ -13,7 +13,7 @@ policy's chat template instead (:func:`text_training_samples`); captured ids alw
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -78,6 +78,7 @@ class TextSamples:
         skipped: ``(trajectory_id, turn, reason)`` for turns not rendered (e.g. a user message
             the canonical record does not keep came before them).
         assumed_temperature: trajectories that logged no sampling temperature (read as T = 1).
+        held_out_trajectories: trajectories left out because their task is in the held-out split.
     """
 
     samples: list[TrainingSample]
@@ -86,6 +87,7 @@ class TextSamples:
     turns: int
     skipped: list[tuple[str, int, str]]
     assumed_temperature: int
+    held_out_trajectories: int = 0
 
 
 def text_training_samples(
@@ -95,6 +97,8 @@ def text_training_samples(
     tokenizer,
     context: Sequence[dict] = (),
     max_length: int | None = None,
+    held_out: Callable[[str], bool] | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> TextSamples:
     """Training rows of ``agent_id``'s trajectories that carry no token ids: each assistant turn
     re-rendered with the policy's own chat template (:func:`flow_assets.policy.logged_rows.trajectory_rows`,
@@ -110,6 +114,11 @@ def text_training_samples(
         max_length: the model's context in tokens; a turn whose prompt and completion exceed it
             is skipped with that reason (not truncated: a cut prompt is a context the policy
             never saw).
+        held_out: ``held_out(task_id)`` is true for a task of the held-out split: its
+            trajectories never train (offline evaluation scores the policy on them), counted in
+            ``held_out_trajectories``.
+        tools: the tool specifications the agent offered (OpenAI ``tools``), where the log did not
+            keep them.
 
     Returns:
         :class:`TextSamples`. A trajectory with any captured token ids is left to
@@ -123,16 +132,19 @@ def text_training_samples(
     samples: list[TrainingSample] = []
     versions: list[str | None] = []
     skipped: list[tuple[str, int, str]] = []
-    read = assumed = 0
+    read = assumed = held = 0
     for (record,) in interaction_logs.filter(pl.col("agent_id") == agent_id).select("record_json").iter_rows():
         trajectory = Trajectory.model_validate_json(record)
         if any(step.token_ids is not None for step in trajectory.steps):
+            continue
+        if held_out is not None and held_out(trajectory.task_id):
+            held += 1
             continue
         read += 1
         logged_t = trajectory.metadata.get("temperature")
         temperature = float(logged_t) if isinstance(logged_t, (int, float)) and not isinstance(logged_t, bool) else 1.0
         assumed += logged_t is None
-        rendered = trajectory_rows(tokenizer, trajectory, context=context, use_captured_ids=False)
+        rendered = trajectory_rows(tokenizer, trajectory, context=context, tools=tools, use_captured_ids=False)
         skipped += [(trajectory.trajectory_id, turn, why) for turn, why in rendered.skipped]
         for row in rendered.rows:
             for turn in row.turns:
@@ -150,4 +162,4 @@ def text_training_samples(
                     advantage=float(credited[-1]), task_id=trajectory.task_id, temperature=temperature,
                 ))  # fmt: skip
                 versions.append(trajectory.adapter_version)
-    return TextSamples(samples, versions, read, len(samples), skipped, assumed)
+    return TextSamples(samples, versions, read, len(samples), skipped, assumed, held)

@@ -40,7 +40,7 @@ from flow_assets.policy.rollouts import TextSamples, batch_id_for, text_training
 from flow_assets.policy.store import PolicyStore
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
-from flow_assets.tasks.sources import Task, TaskSource
+from flow_assets.tasks.sources import Task, TaskSource, is_held_out
 
 # The model code (torch, transformers, peft) is imported inside the functions that train, sample or
 # save a model: the code location imports this module, and its sensors and data-plane runs never
@@ -262,7 +262,8 @@ class RoundSummary:
         sources: the landing sources of the agent's trajectories in the batch, sorted.
         text_turns_skipped: text turns that could not be rendered (e.g. after a user message the
             canonical record does not keep); text_temperature_assumed: text trajectories that
-            logged no sampling temperature, scored at T = 1.
+            logged no sampling temperature, scored at T = 1; text_held_out_trajectories: text
+            trajectories left out because their task is in the held-out split.
     """
 
     batch: str
@@ -288,6 +289,7 @@ class RoundSummary:
     text_turns_skipped: int = 0
     text_temperature_assumed: int = 0
     sources: list[str] = field(default_factory=list)
+    text_held_out_trajectories: int = 0
 
 
 def write_round_summary(summary: RoundSummary, run_dir: Path) -> Path:
@@ -390,6 +392,7 @@ def train_candidate(
     kl_samples: int | None = 256,
     on_step: Callable[[StepMetrics], None] | None = None,
     sources: Mapping[str, str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -403,7 +406,10 @@ def train_candidate(
             (:meth:`resources.loop.TrainingLoop.update_rules`); ``None``: ``agent_id`` alone. The
             round takes the batch's ``"grpo"`` agents' turns when it has any (update rule
             ``"grpo"``), else its ``"awr"`` agents' text turns (advantage-weighted likelihood:
-            another model's flows have no behaviour log-probs of this policy).
+            another model's flows have no behaviour log-probs of this policy). Text trajectories
+            of held-out tasks (:func:`~flow_assets.tasks.sources.is_held_out`) never train.
+        tools: the tool specifications logged text turns are rendered with, where the logs did
+            not keep them.
         config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
         negate_advantages: train against the advantages (to test that the gate blocks it).
         kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
@@ -431,11 +437,12 @@ def train_candidate(
         for agent in trained_agents:
             more = text_training_samples(
                 tables["interaction_logs"], tables["step_advantages"], agent, tokenizer,
-                max_length=getattr(model.config, "max_position_embeddings", None),
+                max_length=getattr(model.config, "max_position_embeddings", None), held_out=is_held_out, tools=tools,
             )  # fmt: skip
             text = TextSamples(
                 text.samples + more.samples, text.adapter_versions + more.adapter_versions, text.trajectories + more.trajectories,
                 text.turns + more.turns, text.skipped + more.skipped, text.assumed_temperature + more.assumed_temperature,
+                text.held_out_trajectories + more.held_out_trajectories,
             )  # fmt: skip
     if text.samples and update_rule == "grpo":
         rescored = text_behaviour_logprobs(store, registry, champion, model, tokenizer.pad_token_id, text, config.micro_batch_size or 16)
@@ -494,6 +501,7 @@ def train_candidate(
         turns_text=len(text.samples),
         text_turns_skipped=len(text.skipped),
         text_temperature_assumed=text.assumed_temperature,
+        text_held_out_trajectories=text.held_out_trajectories,
         update_rule=update_rule,
         sources=sorted({s for s in tables["trajectories"].filter(pl.col("agent_id").is_in(trained_agents))["source"].to_list() if s}),
     )
