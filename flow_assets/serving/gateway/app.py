@@ -3,7 +3,8 @@
 Routes (all JSON; errors in OpenAI's shape, never a stack trace):
 
     GET  /v1/models                         the model names served (policy, champion, candidate, v0...)
-    POST /v1/chat/completions               a chat completion (non-streaming)
+    POST /v1/chat/completions               a chat completion (``stream: true``: Server-Sent Events,
+                                            :mod:`flow_assets.serving.gateway.streaming`)
     POST /rollouts/{id}/v1/chat/completions the same, captured under rollout ``id`` (for clients
                                             that cannot set the ``X-Agent-ID`` header)
     POST /rollouts                          open one rollout or a list of them (task, batch,
@@ -19,7 +20,10 @@ for its share of sessions (``X-Session-ID`` header, else the request's ``user``,
 rollout id; a call with none of them gets the champion) and by the champion otherwise; every
 response says which in ``X-Flowopt-Adapter-Version`` and every captured turn records it.
 
-A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
+A call is captured when it names a rollout: the path prefix, else ``X-Agent-ID: <id>``, else its
+API key (``Authorization: Bearer <key>``): with gateway tokens a key ``<token>:<rollout id>``,
+without tokens a key that is the id of a rollout the gateway knows (opened with ``POST /rollouts``;
+any other key, such as a client's dummy ``"x"``, names nothing). Each call
 is rendered with the policy's chat template, sampled by the batcher (continuous batching), its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
 (:mod:`flow_assets.serving.gateway.capture`).

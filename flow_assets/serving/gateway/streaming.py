@@ -28,6 +28,9 @@ recorded once all of its content and tool calls have been handed to the server, 
 ``finish_reason`` chunk. A client that disconnects before that leaves a turn recorded as not
 delivered (:attr:`~flow_assets.serving.gateway.capture.Turn.delivered`), never trained. Its
 generation is not stopped: it runs to ``eos`` or ``max_tokens`` as the non-streaming call's does.
+
+Importing ``sse-starlette`` wraps uvicorn's ``Server.handle_exit`` (the library's own doing, on
+import: the original handler still runs, and streams are ended when the server is asked to stop).
 """
 
 from __future__ import annotations
