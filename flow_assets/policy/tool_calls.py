@@ -133,6 +133,39 @@ def _parse_hermes(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletio
     return ParsedCompletion(content or None, tuple(calls))
 
 
+_COMPACT_OPEN = re.compile(r"@(?:[A-Za-z_][A-Za-z0-9_.-]*)?")
+_HERMES_OPEN = "<tool_call>"
+
+
+def call_start(text: str, fmt: ToolCallFormat) -> int | None:
+    """Where a tool call starts in a completion that may still grow (a stream): the index of the
+    first call :func:`parse_tool_calls` would find, or of the first place one could begin once more
+    text comes (``@calc`` at the end in ``compact``, ``<tool_`` at the end in ``hermes``); ``None``
+    when no call can start before the end. Text before it is the same in the final ``content``
+    whatever follows (``hermes`` strips the content around calls: the caller holds leading and
+    trailing whitespace).
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    if fmt == "compact":
+        start = text.find("@")
+        while start >= 0:
+            if _COMPACT.match(text, start) or _COMPACT_OPEN.fullmatch(text, start):
+                return start
+            start = text.find("@", start + 1)
+        return None
+    if fmt == "hermes":
+        start = text.find(_HERMES_OPEN)
+        if start >= 0:
+            return start
+        for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+            if text.endswith(_HERMES_OPEN[:k]):
+                return len(text) - k
+        return None
+    raise ValueError(f"unknown tool-call format {fmt!r} (expected 'compact' or 'hermes')")
+
+
 def parse_tool_calls(text: str, fmt: ToolCallFormat, tools: Sequence[dict[str, Any]] | None) -> ParsedCompletion:
     """Split a completion's text into content and the tool calls it makes.
 

@@ -119,7 +119,7 @@ MALFORMED = [
     (json.dumps({"model": "policy", "messages": []}), 400, "messages", None),
     (json.dumps({"model": "policy", "messages": [{"role": "wizard", "content": "a"}]}), 400, "messages.0.role", None),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "a"}], "n": 0}), 400, "n", None),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "a"}], "stream": True}), 400, "stream", None),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "a"}], "stream": "sometimes"}), 400, "stream", None),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "a" * 200}]}), 400, "messages", "context_length_exceeded"),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "a"}], "max_tokens": 500}), 400, "messages", "context_length_exceeded"),
     (json.dumps({"messages": [{"role": "user", "content": "a"}]}), 400, "model", None),

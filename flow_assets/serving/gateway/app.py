@@ -3,7 +3,8 @@
 Routes (all JSON; errors in OpenAI's shape, never a stack trace):
 
     GET  /v1/models                         the model names served (policy, champion, candidate, v0...)
-    POST /v1/chat/completions               a chat completion (non-streaming)
+    POST /v1/chat/completions               a chat completion (``stream: true``: Server-Sent Events,
+                                            :mod:`flow_assets.serving.gateway.streaming`)
     POST /rollouts/{id}/v1/chat/completions the same, captured under rollout ``id`` (for clients
                                             that cannot set the ``X-Agent-ID`` header)
     POST /rollouts                          open one rollout or a list of them (task, batch,
@@ -19,7 +20,10 @@ for its share of sessions (``X-Session-ID`` header, else the request's ``user``,
 rollout id; a call with none of them gets the champion) and by the champion otherwise; every
 response says which in ``X-Flowopt-Adapter-Version`` and every captured turn records it.
 
-A call is captured when it names a rollout (``X-Agent-ID: <id>`` or the path prefix). Each call
+A call is captured when it names a rollout: the path prefix, else ``X-Agent-ID: <id>``, else its
+API key (``Authorization: Bearer <key>``): with gateway tokens a key ``<token>:<rollout id>``,
+without tokens a key that is the id of a rollout the gateway knows (opened with ``POST /rollouts``;
+any other key, such as a client's dummy ``"x"``, names nothing). Each call
 is rendered with the policy's chat template, sampled by the batcher (continuous batching), its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
 (:mod:`flow_assets.serving.gateway.capture`).
@@ -41,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 import uuid
@@ -60,8 +65,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flow_assets.serving.gateway.batcher import ContinuousBatcher, DynamicBatcher, GenerationRequest
 from flow_assets.core.untrusted import scrub_paths
 from flow_assets.serving.gateway.capture import Choice, RolloutError, RolloutRecorder, RolloutSettings, Turn
-from flow_assets.serving.gateway.engine import AdapterResolver, PolicyEngine, UnknownModelError
-from flow_assets.serving.gateway.guard import RequestGuard, RequestLimits
+from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver, PolicyEngine, UnknownModelError
+from flow_assets.serving.gateway.guard import RequestGuard, RequestLimits, bearer_key, check_key
 from flow_assets.serving.gateway.landing import BatchLander, RecoveredBatch, check_name
 from flow_assets.serving.gateway.protocol import (
     ChatCompletionRequest,
@@ -70,6 +75,7 @@ from flow_assets.serving.gateway.protocol import (
     error_body,
     validation_message,
 )
+from flow_assets.serving.gateway.streaming import ChatStream, ChoiceText, chunk, token_queue
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.configs import SERVE_MAX_TOKENS
@@ -159,6 +165,25 @@ class Gateway:
             self.lander.close_all()
         else:
             self.lander.close_due()
+
+
+@dataclass
+class _Call:
+    """One chat completion call on its way through the gateway: the request, what it resolved to,
+    and (once rendered) its prompt ids and sampling work."""
+
+    req: ChatCompletionRequest
+    rollout_id: str | None
+    started: float  # perf_counter seconds
+    name: str
+    ref: AdapterRef
+    temperature: float
+    top_p: float
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    chars: int | None  # non-whitespace characters to render (None: the model has no context limit)
+    prompt_ids: list[int] = field(default_factory=list)
+    work: GenerationRequest | None = None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
@@ -323,17 +348,30 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "flowopt", "root": ref.version})
         return {"object": "list", "data": data}
 
+    live_tokens = tuple(t for t in tokens if t)
+
+    def key_rollout(authorization: str | None) -> str | None:
+        """The rollout an API key names (``<token>:<rollout id>`` with tokens; without, a key that
+        is the id of a rollout the gateway knows), else ``None``."""
+        _, rollout = check_key(bearer_key(authorization), live_tokens)
+        if rollout is None or not (live_tokens or gateway.recorder.known(rollout)):
+            return None
+        return rollout
+
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, x_agent_id: str | None = Header(None), x_session_id: str | None = Header(None)):
-        return await _chat(body, x_agent_id, x_session_id)
+    async def chat(
+        body: ChatCompletionRequest,
+        x_agent_id: str | None = Header(None),
+        x_session_id: str | None = Header(None),
+        authorization: str | None = Header(None),
+    ):
+        return await _chat(body, x_agent_id or key_rollout(authorization), x_session_id)
 
     @app.post("/rollouts/{rollout_id}/v1/chat/completions")
     async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest, x_session_id: str | None = Header(None)):
         return await _chat(body, rollout_id, x_session_id)
 
     async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None):
-        if req.stream:
-            return _error(400, "stream=true is not supported by the flowopt gateway", param="stream")
         if not rollout_id:
             return await _serve_call(req, None, None, session)
         try:
@@ -342,12 +380,16 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             settings = gateway.recorder.settings(rollout_id, calling=True)
         except RolloutError as exc:
             return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        response = None
         try:
-            return await _serve_call(req, rollout_id, settings, session)
+            response = await _serve_call(req, rollout_id, settings, session)
+            return response
         finally:
-            gateway.recorder.call_ended(rollout_id)
+            if not isinstance(response, ChatStream):  # a stream ends the call when it is over
+                gateway.recorder.call_ended(rollout_id)
 
-    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+    def _prepare(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+        """The call's rendered prompt and sampling work, or the error response that refuses it."""
         started = time.perf_counter()
         name = settings.model if settings and settings.model else req.model
         try:
@@ -373,13 +415,18 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                 param="messages",
                 code="context_length_exceeded",
             )
-        render = functools.partial(render_prompt, tokenizer, messages, tools, fmt=gateway.engine.chat)
+        return _Call(req, rollout_id, started, name, ref, temperature, top_p, messages, tools, chars if context is not None else None)
+
+    async def _render(call: _Call):
+        """Render and tokenise the call's prompt and build its sampling work (or an error response)."""
+        req, context = call.req, gateway.engine.max_positions
+        render = functools.partial(render_prompt, tokenizer, call.messages, call.tools, fmt=gateway.engine.chat)
         try:
             # A large prompt renders off the event loop, so it cannot stall other clients. An ordinary
             # one renders in it: a thread hop per call spread concurrent agents' calls past the
             # batcher's wait and halved its batches (6 instead of 8 sequences per generate call
             # with 8 agents, 18 instead of 36 with 64), which made a demo's collection ~3x slower.
-            if context is None or chars > INLINE_RENDER_CHARS:
+            if call.chars is None or call.chars > INLINE_RENDER_CHARS:
                 _, prompt_ids = await asyncio.to_thread(render)
             else:
                 _, prompt_ids = render()
@@ -399,23 +446,26 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                     param="messages",
                     code="context_length_exceeded",
                 )
-        work = GenerationRequest(ref.path, prompt_ids, req.n, temperature, top_p, max_tokens, req.seed)
-        rollouts = await asyncio.wrap_future(gateway.batcher.submit(work))
-        failed = next((r.error for r in rollouts if r.error), None)
-        if failed:
-            return _error(400, failed, param="messages")
+        call.prompt_ids = prompt_ids
+        call.work = GenerationRequest(call.ref.path, prompt_ids, req.n, call.temperature, call.top_p, max_tokens, req.seed)
+        return None
+
+    def _choices(call: _Call, rollouts) -> tuple[list[Choice], list[dict[str, Any]]]:
+        """The sampled rollouts as captured choices and OpenAI ``choices`` (cut at stop strings,
+        tool calls parsed): the same for a streamed and a non-streamed call."""
+        req = call.req
         choices, out_choices = [], []
         for index, rollout in enumerate(rollouts):
             text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
             ids, lps, text, stopped = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
-            parsed = parse_tool_calls(text, gateway.engine.chat.tool_calls, None if req.tool_choice == "none" else tools)
+            parsed = parse_tool_calls(text, gateway.engine.chat.tool_calls, None if req.tool_choice == "none" else call.tools)
             calls = [
                 {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls
             ]
             reason = "tool_calls" if calls else ("stop" if rollout.finished or stopped else "length")
             if parsed.error:
-                log.info("rollout %s: tool call not parsed (%s); returned as text", rollout_id or "-", parsed.error)
+                log.info("rollout %s: tool call not parsed (%s); returned as text", call.rollout_id or "-", parsed.error)
             choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error))
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else text}
             if calls:
@@ -428,33 +478,159 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                     "finish_reason": reason,
                 }
             )
-        latency_ms = (time.perf_counter() - started) * 1000.0
+        return choices, out_choices
+
+    def _served(call: _Call, choices: list[Choice], delivered: bool = True) -> JSONResponse | None:
+        """Count the call and record its turn (a 409 response when its rollout finished meanwhile)."""
+        latency_ms = (time.perf_counter() - call.started) * 1000.0
         gateway.calls += 1
-        if rollout_id:
-            turn = Turn(messages, prompt_ids, choices, name, ref.version, temperature, top_p, latency_ms)
+        completion_tokens = sum(len(c.completion_ids) for c in choices)
+        tokens_served.labels("prompt", call.ref.version).inc(len(call.prompt_ids))
+        tokens_served.labels("completion", call.ref.version).inc(completion_tokens)
+        if call.rollout_id:
+            turn = Turn(call.messages, call.prompt_ids, choices, call.name, call.ref.version, call.temperature, call.top_p,
+                        latency_ms, delivered)  # fmt: skip
             try:
-                gateway.recorder.record(rollout_id, turn)
+                gateway.recorder.record(call.rollout_id, turn)
             except RolloutError as exc:
                 return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        return None
+
+    def _usage(call: _Call, choices: list[Choice]) -> dict[str, int]:
         completion_tokens = sum(len(c.completion_ids) for c in choices)
-        tokens_served.labels("prompt", ref.version).inc(len(prompt_ids))
-        tokens_served.labels("completion", ref.version).inc(completion_tokens)
+        return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion_tokens,
+                "total_tokens": len(call.prompt_ids) + completion_tokens}  # fmt: skip
+
+    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+        call = _prepare(req, rollout_id, settings, session)
+        if isinstance(call, JSONResponse):
+            return call
+        if (refused := await _render(call)) is not None:
+            return refused
+        if req.stream:
+            return await _stream(call)
+        rollouts = await asyncio.wrap_future(gateway.batcher.submit(call.work))
+        failed = next((r.error for r in rollouts if r.error), None)
+        if failed:
+            return _error(400, failed, param="messages")
+        choices, out_choices = _choices(call, rollouts)
+        if (conflict := _served(call, choices)) is not None:
+            return conflict
         return JSONResponse(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": name,
-                "system_fingerprint": ref.version,
+                "model": call.name,
+                "system_fingerprint": call.ref.version,
                 "choices": out_choices,
-                "usage": {
-                    "prompt_tokens": len(prompt_ids),
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": len(prompt_ids) + completion_tokens,
-                },
+                "usage": _usage(call, choices),
             },
-            headers={"X-Flowopt-Adapter-Version": ref.version},
+            headers={"X-Flowopt-Adapter-Version": call.ref.version},
         )
+
+    async def _stream(call: _Call):
+        """Serve ``call`` as Server-Sent Events (:mod:`flow_assets.serving.gateway.streaming`). The
+        response starts with the first sampled token: a call the batcher refuses (or that fails
+        before any token) is an ordinary error response."""
+        req, loop = call.req, asyncio.get_running_loop()
+        queue, call.work.on_tokens, on_done = token_queue(loop)
+        future = gateway.batcher.submit(call.work)
+        future.add_done_callback(on_done)
+        first = await queue.get()
+        if first is None:
+            rollouts = await asyncio.wrap_future(future)  # the batcher's exception, if any, is a 500 as without streaming
+            if failed := next((r.error for r in rollouts if r.error), None):
+                return _error(400, failed, param="messages")
+        parse = None if req.tool_choice == "none" or not call.tools else gateway.engine.chat.tool_calls
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        texts = [ChoiceText(decode, req.stop, parse) for _ in range(req.n)]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": call.name,
+                  "system_fingerprint": call.ref.version}  # fmt: skip
+        state = {"recorded": False}
+
+        def piece(index: int, delta: dict[str, Any], first_token: int, end: int, ids, lps, reason: str | None = None):
+            logprobs = _logprobs_payload(tokenizer, ids[first_token:end], lps[first_token:end]) if req.logprobs else None
+            return chunk(header, [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], include_usage)
+
+        async def events():
+            for i in range(req.n):
+                yield chunk(header, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], include_usage)
+            lps: list[list[float]] = [[] for _ in range(req.n)]
+            item = first
+            while item is not None:
+                i, new_ids, new_lps = item
+                lps[i] += new_lps
+                delta, a, b = texts[i].push(new_ids)
+                if delta or (req.logprobs and b > a):
+                    yield piece(i, {"content": delta}, a, b, texts[i].ids, lps[i])
+                item = await queue.get()
+            try:
+                rollouts = await asyncio.wrap_future(future)
+            except Exception as exc:  # noqa: BLE001 - the stream has begun: the error goes in it
+                error_id = uuid.uuid4().hex[:12]
+                log.error("gateway error %s in a stream: %s", error_id, exc, exc_info=exc)
+                yield json.dumps(error_body(f"internal error {error_id} ({type(exc).__name__})", "server_error"))
+                return
+            if failed := next((r.error for r in rollouts if r.error), None):
+                yield json.dumps(error_body(scrub_paths(failed), param="messages"))
+                return
+            choices, out_choices = _choices(call, rollouts)
+            tail: list[str | None] = []  # per choice: its finish chunk, sent after the turn is recorded
+            for i, (choice, out) in enumerate(zip(choices, out_choices)):
+                content = out["message"]["content"]
+                delta, a, b, consistent = texts[i].rest(content, len(choice.completion_ids))
+                if not consistent:
+                    log.warning("stream of rollout %s: the text sent is not a prefix of the content", call.rollout_id or "-")
+                ids, c_lps = choice.completion_ids, choice.logprobs
+                if delta:
+                    yield piece(i, {"content": delta}, a, b, ids, c_lps)
+                    a = b
+                for k, tool_call in enumerate(choice.tool_calls):
+                    function = tool_call["function"]
+                    start = {"index": k, "id": tool_call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}
+                    yield piece(i, {"tool_calls": [start]}, a, a, ids, c_lps)
+                    yield piece(i, {"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]}, a, a, ids, c_lps)
+                tail.append(piece(i, {}, a, b, ids, c_lps, choice.finish_reason))
+            # everything the agent acts on has been handed to the server: the turn is delivered
+            state["recorded"] = True
+            if (conflict := _served(call, choices)) is not None:
+                yield conflict.body.decode()
+                return
+            for text in tail:
+                yield text
+            if include_usage:
+                yield chunk(header, [], True, _usage(call, choices))
+            yield "[DONE]"
+
+        def closed() -> None:
+            """The response is over: end the rollout's call, recording the turn as undelivered
+            when the stream did not get that far (once its generation is done)."""
+            if state["recorded"] or not call.rollout_id:
+                if call.rollout_id:
+                    gateway.recorder.call_ended(call.rollout_id)
+                return
+
+            def undelivered(done) -> None:
+                try:
+                    rollouts = done.result()
+                    if not any(r.error for r in rollouts):
+                        _served(call, _choices(call, rollouts)[0], delivered=False)
+                except Exception:  # noqa: BLE001 - the generation failed: nothing to record
+                    pass
+                finally:
+                    gateway.recorder.call_ended(call.rollout_id)
+
+            def hop(done) -> None:
+                try:
+                    loop.call_soon_threadsafe(undelivered, done)
+                except RuntimeError:  # the gateway stopped; its shutdown lands the rollout
+                    pass
+
+            future.add_done_callback(hop)  # runs at once when the generation is already done
+
+        return ChatStream(events(), closed, headers={"X-Flowopt-Adapter-Version": call.ref.version})
 
     @app.post("/rollouts")
     async def open_rollouts(body: RolloutOpen | list[RolloutOpen]):

@@ -59,6 +59,11 @@ class GenerationRequest:
         n: completions wanted.
         temperature / top_p / max_tokens / seed: sampling settings (``seed`` ``None`` = any).
         future: resolved by the worker with ``list[Rollout]`` (``n`` of them) or an exception.
+        on_tokens: ``fn(choice index, new token ids, their log-probs)``, called on the worker
+            thread as the tokens of a choice are sampled, before ``future`` resolves (a streamed
+            call); the :class:`ContinuousBatcher` calls it after every decoding step, the
+            :class:`DynamicBatcher` never (the future's rollouts carry the whole completion).
+            It must not block: the worker decodes every running row.
     """
 
     adapter_path: str
@@ -69,6 +74,7 @@ class GenerationRequest:
     max_tokens: int
     seed: int | None = None
     future: Future = field(default_factory=Future)
+    on_tokens: Callable[[int, list[int], list[float]], None] | None = None
 
     @property
     def group_key(self) -> tuple:
@@ -176,6 +182,8 @@ class _Pending:
     request: GenerationRequest
     results: list[Rollout | None]
     left: int
+    rows: list[DecodeRow] = field(default_factory=list)  # filled when the request streams
+    reported: list[int] = field(default_factory=list)  # tokens of each row handed to on_tokens
 
 
 class ContinuousBatcher:
@@ -279,7 +287,9 @@ class ContinuousBatcher:
                     self._admit(waiting, decoder, running)
                 if decoder.size:
                     self.steps += 1
-                    self._finish(decoder.step(), running)
+                    done = decoder.step()
+                    self._report(running)
+                    self._finish(done, running)
             except Exception as exc:  # noqa: BLE001 - handed to every caller whose rows were decoding
                 for pending in running:
                     if not pending.request.future.done():
@@ -311,11 +321,25 @@ class ContinuousBatcher:
             seed = request.seed if request.seed is not None else int(self._rng.integers(2**63))
             for i, stream in enumerate(row_streams(seed, request.n)):
                 rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream, (pending, i)))
+                if request.on_tokens is not None:
+                    pending.rows.append(rows[-1])
+                    pending.reported.append(0)
             running.append(pending)
         if rows:
             self.batches += 1
             self.rows += len(rows)
-            self._finish(decoder.add(rows), running)
+            done = decoder.add(rows)
+            self._report(running)
+            self._finish(done, running)
+
+    @staticmethod
+    def _report(running: list[_Pending]) -> None:
+        """Hand the tokens sampled since the last report to the requests that stream them."""
+        for pending in running:
+            for i, row in enumerate(pending.rows):
+                if len(row.tokens) > pending.reported[i]:
+                    start, pending.reported[i] = pending.reported[i], len(row.tokens)
+                    pending.request.on_tokens(i, row.tokens[start:], row.logprobs[start:])
 
     def _invalid(self, request: GenerationRequest) -> str | Exception | None:
         """Why ``request`` cannot be decoded: a ``ValueError`` for invalid settings (as

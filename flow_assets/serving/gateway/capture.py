@@ -22,6 +22,10 @@ A rollout that fails (the agent raised, hung, never called the model, or was nev
 still lands: outcome
 ``success: false, score: 0`` and ``metadata.error = {"kind", "message"}``, with every turn it
 made. Nothing the gateway sampled is dropped.
+
+A streamed call whose client disconnected before the stream ended is recorded with
+``delivered=False``: the agent never acted on it, so it is no step (never trained); the
+trajectory's ``metadata.undelivered_turns`` counts its tokens.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class Turn:
         model: the model name the request asked for; ``adapter_version`` the version that answered.
         temperature / top_p: the sampling settings used (after any rollout override).
         latency_ms: wall time from request to response, milliseconds.
+        delivered: ``False`` for a streamed call whose client went away before the stream ended:
+            the agent never acted on it, so it is no step of the trajectory (never trained) and
+            is only counted in ``metadata.undelivered_turns``.
     """
 
     messages: list[dict[str, Any]]
@@ -81,6 +88,7 @@ class Turn:
     temperature: float
     top_p: float
     latency_ms: float
+    delivered: bool = True
 
 
 @dataclass
@@ -238,7 +246,7 @@ def build_trajectory(
         pydantic.ValidationError: the result is not a valid trajectory (e.g. empty ``task_id``).
     """
     s = rollout.settings
-    turns = rollout.turns
+    turns = [t for t in rollout.turns if t.delivered]
     if final_answer is None and turns:
         last = _chosen(turns[-1], None)
         final_answer = last.content if not last.tool_calls else None
@@ -254,6 +262,12 @@ def build_trajectory(
     }
     if errors := tool_call_errors(turns):
         meta["tool_call_errors"] = errors
+    if undelivered := [t for t in rollout.turns if not t.delivered]:
+        meta["undelivered_turns"] = [
+            {"prompt_tokens": len(t.prompt_ids), "completion_tokens": sum(len(c.completion_ids) for c in t.choices),
+             "latency_ms": t.latency_ms, "reason": "client_disconnected"}
+            for t in undelivered
+        ]  # fmt: skip
     versions = list(dict.fromkeys(t.adapter_version for t in turns))
     if len(versions) > 1:
         meta["adapter_versions"] = versions
@@ -373,7 +387,7 @@ class RolloutRecorder:
             for name, value in settings.items():
                 if value is not None and getattr(rollout.settings, name) is None:
                     setattr(rollout.settings, name, value)
-            if not rollout.turns and error is None:
+            if not any(t.delivered for t in rollout.turns) and error is None:
                 error = {"kind": "no_llm_call", "message": "the rollout finished without calling the model"}
             trajectory = build_trajectory(rollout, outcome or Outcome(success=False, score=0.0), final_answer, metadata, error)
             del self._open[rollout_id]
@@ -397,6 +411,12 @@ class RolloutRecorder:
             except RolloutError:
                 continue  # finished meanwhile
         return landed
+
+    def known(self, rollout_id: str) -> bool:
+        """Whether ``rollout_id`` is open or was finished (an API key that names no such rollout
+        is an ordinary key, not a rollout id)."""
+        with self._lock:
+            return rollout_id in self._open or rollout_id in self._finished
 
     @property
     def open_count(self) -> int:

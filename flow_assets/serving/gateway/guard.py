@@ -3,9 +3,11 @@
 :class:`RequestGuard` is an ASGI middleware, so it decides before FastAPI reads anything:
 
 1. **Token**: when the gateway has tokens, every route but ``/health`` needs
-   ``Authorization: Bearer <token>`` (checked from the headers alone with the training API's
-   :func:`~flow_assets.core.untrusted.authorised`, a constant-time compare); otherwise HTTP 401 and
-   the body is never read. OpenAI clients send their ``api_key`` this way.
+   ``Authorization: Bearer <token>`` or ``Bearer <token>:<rollout id>`` (checked from the headers
+   alone by :func:`check_key`, constant-time compares as the training API's
+   :func:`~flow_assets.core.untrusted.authorised`); otherwise HTTP 401 and the body is never read.
+   OpenAI clients send their ``api_key`` this way, so an agent that can set nothing but its API
+   key names its rollout with it (the route reads the rollout id with :func:`check_key` too).
 2. **Size**: a declared ``Content-Length`` over ``max_body_bytes`` is HTTP 413 at once, before any
    of the body is read; a chunked body is 413 as soon as what arrived passes the cap. No request
    holds more than ``max_body_bytes`` of the gateway's memory.
@@ -22,13 +24,14 @@ to the app exactly as received.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
 
-from flow_assets.core.untrusted import authorised, json_depth
+from flow_assets.core.untrusted import json_depth
 
 #: routes that answer without a token (liveness probes of a load balancer)
 OPEN_PATHS = frozenset({"/health"})
@@ -61,6 +64,44 @@ class RequestLimits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The API key of an ``Authorization: Bearer <key>`` header (``None`` without one)."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    return authorization[len("Bearer ") :] or None
+
+
+def check_key(key: str | None, tokens: Sequence[str]) -> tuple[bool, str | None]:
+    """Whether API key ``key`` may call the gateway, and the rollout id it names.
+
+    With ``tokens``, the key is a token, or ``<token>:<rollout id>``: every token is compared
+    with both forms by ``hmac.compare_digest`` (no early exit, so the time says nothing of the
+    tokens' contents); a key that is a token names no rollout, and when several tokens prefix
+    the key, the longest wins. Without tokens,
+    anyone may call and the whole key is the candidate rollout id (the gateway uses it only when
+    such a rollout exists: a dummy key such as ``"x"`` names nothing).
+
+    Returns:
+        ``(authorised, rollout id or None)``; ``(False, None)`` for a key that matches no token.
+    """
+    live = [t for t in tokens if t]
+    if not live:
+        return True, key
+    if not key:
+        return False, None
+    given = key.encode()
+    whole, rollout, longest = False, None, -1
+    for token in live:
+        raw = token.encode()
+        whole |= hmac.compare_digest(given, raw)
+        prefixed = hmac.compare_digest(given[: len(raw) + 1], raw + b":")
+        if prefixed and len(raw) > longest and len(given) > len(raw) + 1:
+            longest, rollout = len(raw), given[len(raw) + 1 :].decode()
+    if whole:  # a key that is a token names no rollout, whichever other token prefixes it
+        return True, None
+    return rollout is not None, rollout
+
+
 def too_deep(body: bytes, max_depth: int) -> bool:
     """Whether ``body`` is JSON nested deeper than ``max_depth``. orjson refuses more than 1,024
     levels by itself (a decode error naming the depth); a body that is not JSON for any other
@@ -91,8 +132,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.tokens and scope.get("path") not in OPEN_PATHS and not authorised(headers.get("authorization"), self.tokens):
-            await _refuse(send, 401, "a valid bearer token is required (Authorization: Bearer <token>)", "invalid_api_key")
+        if self.tokens and scope.get("path") not in OPEN_PATHS and not check_key(bearer_key(headers.get("authorization")), self.tokens)[0]:
+            await _refuse(send, 401, "a valid bearer token is required (Authorization: Bearer <token> or <token>:<rollout id>)", "invalid_api_key")
             return
         limits = self.limits
         declared = headers.get("content-length")

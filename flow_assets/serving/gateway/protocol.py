@@ -60,8 +60,17 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and ``"usage":
+    null`` to every other chunk)."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` (non-streaming).
+    """``POST /v1/chat/completions`` (``stream: true``: Server-Sent Events,
+    :mod:`flow_assets.serving.gateway.streaming`).
 
     ``tool_choice`` is recorded but not enforced: the policy decides whether to call a tool
     (``"none"`` does stop the gateway from parsing calls). ``top_logprobs`` is accepted; the
@@ -84,6 +93,7 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
 
     @field_validator("stop")
