@@ -150,7 +150,7 @@ def test_a_job_pauses_after_a_step_resumes_from_its_checkpoint_and_completes_bes
         # a round on a log the policy did not write: nothing to train on, a failed run
         failing = rpc(api, "training.start_grpo", agent_id=agent, log_batches=[tau])["job_id"]
         failed = wait_for(api, daemon, failing, {"failed", "completed"})
-        assert failed["state"] == "failed" and failed["reason"].startswith(f"error: batch {tau} has no turns of the trainable agent"), failed["reason"]
+        assert failed["state"] == "failed" and failed["reason"].startswith(f"error: batch {tau} has no trainable turn of"), failed["reason"]
     listed = {j["job_id"]: j["state"] for j in rpc(api, "training.list_jobs")["jobs"]}
     assert {k: listed[k] for k in (job, cancelled, budgeted, failing)} == {job: "completed", cancelled: "cancelled", budgeted: "failed", failing: "failed"}
     # the runs behind it all are in the PostgreSQL server; the daemon launched the ones that ran
