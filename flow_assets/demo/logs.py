@@ -58,8 +58,9 @@ FIREACT_TOOLS = [{
 }]  # fmt: skip
 #: filtered behaviour cloning on the turns of runs that beat their group (FR-3: -log_prob *
 #: advantage): 16 steps of 32 turn rows (of the ~1,800 with a positive advantage), which is what
-#: fits the demo's time on two CPU cores (~140 tokens/s for a SmolLM2 LoRA step, ~270 tokens a row)
-TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=16, minibatch_size=32, micro_batch_size=8, save_steps=1000,
+#: fits the demo's time on two CPU cores (~140 tokens/s for a SmolLM2 LoRA step, ~270 tokens a row),
+#: two rows a pass (memory: rows reach ~1,000 tokens; 8 rows a pass took 22 GB and was killed)
+TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=16, minibatch_size=32, micro_batch_size=2, save_steps=1000,
                           awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
 TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")
 
