@@ -57,10 +57,10 @@ FIREACT_TOOLS = [{
     },
 }]  # fmt: skip
 #: filtered behaviour cloning on the turns of runs that beat their group (FR-3: -log_prob *
-#: advantage): 16 steps of 32 turn rows (of the ~1,800 with a positive advantage), which is what
+#: advantage): 12 steps of 32 turn rows (of the ~1,800 with a positive advantage), which is what
 #: fits the demo's time on two CPU cores (~140 tokens/s for a SmolLM2 LoRA step, ~270 tokens a row),
 #: two rows a pass (memory: rows reach ~1,000 tokens; 8 rows a pass took 22 GB and was killed)
-TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=16, minibatch_size=32, micro_batch_size=2, save_steps=1000,
+TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=12, minibatch_size=32, micro_batch_size=2, save_steps=1000,
                           awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
 TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")
 
@@ -126,8 +126,10 @@ def run_logs_demo(
         on_step=lambda m: print(f"  step {m.step}: loss {m.loss:.4f}, mean weight {m.mean_weight:.3f}, {m.num_samples} rows", flush=True),
     )  # fmt: skip
     train_seconds = time.perf_counter() - t0
-    print(f"trained {summary.final_step} steps on {summary.num_samples} turn rows ({summary.dropped_zero_advantage} without a "
-          f"positive advantage left out; {summary.text_held_out_trajectories} held-out runs never trained) in {train_seconds:.0f} s", flush=True)  # fmt: skip
+    seen = min(summary.num_samples * train.num_iterations, summary.final_step * train.minibatch_size)
+    print(f"trained {summary.final_step} steps, {seen} of the {summary.num_samples} turn rows with a positive advantage "
+          f"({summary.dropped_zero_advantage} without one left out; {summary.text_held_out_trajectories} held-out runs never "
+          f"trained) in {train_seconds:.0f} s", flush=True)  # fmt: skip
 
     t0 = time.perf_counter()
     base, tokenizer = store.load(registry.champion()["adapter_path"])
@@ -149,6 +151,7 @@ def run_logs_demo(
         "agents": agents,
         "update_rule": summary.update_rule,
         "train_rows": summary.num_samples,
+        "train_rows_seen": seen,
         "train_rows_left_out": summary.dropped_zero_advantage,
         "held_out_runs_never_trained": summary.text_held_out_trajectories,
         "held_out_turns": evaluation["n_turns"],
