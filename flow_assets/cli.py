@@ -108,13 +108,21 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         print(f"flowopt serve: {exc}", file=sys.stderr)
         return 2
     models, landing = args.models or settings.models, args.landing or settings.landing
-    store = PolicyStore(models_root=models, base_model_path=args.base_model, max_new_tokens=args.max_tokens)
+    base_model = args.base_model
+    if args.preset:
+        from flow_assets.policy.presets import PresetUnavailable, prepare_model
+
+        try:
+            base_model = prepare_model(args.preset, preset_dir(args.preset, models)).path
+        except (KeyError, PresetUnavailable) as exc:
+            print(f"flowopt serve: --preset: {exc.args[0]}", file=sys.stderr)
+            return 2
+    store = PolicyStore(models_root=models, base_model_path=base_model, max_new_tokens=args.max_tokens)
     if not store.base_path.is_dir():
-        print(f"flowopt serve: no base model at {store.base_path} (run `make demo`, or pass --base-model)", file=sys.stderr)
+        print(f"flowopt serve: no base model at {store.base_path} (run `make demo`, or pass --base-model or --preset)", file=sys.stderr)
         return 2
-    if not store.registry_path.exists():
-        print(f"flowopt serve: no registry at {store.registry_path}: materialise base_policy first", file=sys.stderr)
-        return 2
+    if registered := ensure_champion(store):
+        print(f"flowopt serve: {store.base_path} registered as champion v0 (an identity LoRA adapter at {registered})", flush=True)
     config = GatewayConfig(
         default_max_tokens=args.max_tokens,
         batch_max_trajectories=args.batch_size,
@@ -132,6 +140,18 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     )
     serve_forever(gateway, args.host, args.port, tokens)
     return 0
+
+
+def ensure_champion(store) -> str | None:
+    """Register ``store``'s base model as champion ``v0`` (an identity LoRA adapter) when its
+    models directory has no registry yet, so ``flowopt serve`` serves a model a user brings with
+    nothing else to run; returns the adapter's directory, or ``None`` when a registry exists."""
+    from flow_assets.training.rounds import register_identity_adapter
+    from resources.registry import AdapterRegistry
+
+    if store.registry_path.exists():
+        return None
+    return register_identity_adapter(store, AdapterRegistry(root=str(store.models_root)), by="flowopt serve", reason="the base model as given")
 
 
 def preset_dir(name: str, models: str | Path = DEFAULT_MODELS) -> Path:
@@ -501,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--landing", default=None, help=f"landing directory rollouts land in (default: the landing setting, {DEFAULT_LANDING})")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base)")
+    serve.add_argument("--base-model", default=None, help="base model directory (default <models>/base); with no registry yet, it is registered as champion v0")
+    serve.add_argument("--preset", default=None, help="serve a prepared preset (e.g. smollm2-135m-instruct; prepared under <models>/presets on first use)")
     serve.add_argument("--max-tokens", type=int, default=SERVE_MAX_TOKENS, help=f"completion cap for calls that set none (default {SERVE_MAX_TOKENS})")
     serve.add_argument("--source", default="gateway", help="landing sub-directory of rollouts that name no batch")
     serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
