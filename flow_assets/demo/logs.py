@@ -149,7 +149,7 @@ def run_logs_demo(
     seconds = time.perf_counter() - started
     content = {
         "model": PRESET,
-        "logs": [str(p.relative_to(data_dir.parent.parent)) if data_dir.parent.parent in p.parents else str(p) for p in files],
+        "logs": [p.name for p in files],
         "agents": agents,
         "update_rule": summary.update_rule,
         "train_rows": summary.num_samples,

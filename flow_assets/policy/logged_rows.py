@@ -181,10 +181,10 @@ def _openai_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments if arguments is not None else {}}}
 
 
-def _parsing_tools(calls: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def tools_for_calls(calls: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The tools a turn's text is parsed with: the given ones, else one made up per called tool
-    from its arguments (their keys, the first one required: what the compact syntax's bare
-    argument fills)."""
+    of ``calls`` (``[{"name", "arguments"}]``) from its arguments (their keys, the first one
+    required: what the compact syntax's bare argument fills)."""
     if tools:
         return list(tools)
     made = {}
@@ -252,7 +252,7 @@ def trajectory_conversation(
             calls = [{**c, "id": c.get("id") or f"call_{step.index}_{i}"} for i, c in enumerate(calls)]
             text = _text(step.output)
             if calls:
-                parsed = parse_tool_calls(text, call_format, _parsing_tools(calls, tools))
+                parsed = parse_tool_calls(text, call_format, tools_for_calls(calls, tools))
                 content = parsed.content if parsed.tool_calls else text
                 message = {
                     "role": "assistant",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.chat import ChatFormat, chat_format, render_prompt
-from flow_assets.policy.logged_rows import trajectory_conversation
+from flow_assets.policy.logged_rows import tools_for_calls, trajectory_conversation
 from flow_assets.policy.tool_calls import parse_tool_calls
 from flow_assets.rl.next_action import ANSWER, Action
 
@@ -125,7 +125,10 @@ def predicted_actions(
                 actions.append(None)
                 continue
             text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-            parsed = parse_tool_calls(text, fmt.tool_calls, turn.tools or _tools_of(turn))
+            # where the log kept no tool specifications: ones made up from the logged call (the
+            # compact syntax needs a tool's first parameter to read a bare argument)
+            logged = [] if turn.action.name == ANSWER else [{"name": turn.action.name, "arguments": turn.action.arguments}]
+            parsed = parse_tool_calls(text, fmt.tool_calls, tools_for_calls(logged, turn.tools))
             if parsed.error:
                 actions.append(None)
             elif parsed.tool_calls:
@@ -135,11 +138,3 @@ def predicted_actions(
                 actions.append(Action(ANSWER))
     return actions
 
-
-def _tools_of(turn: LoggedTurn) -> list[dict[str, Any]]:
-    """Tool specifications made up from the logged action, where the log kept none (the compact
-    syntax needs a tool's first parameter to read a bare argument)."""
-    if turn.action.name == ANSWER:
-        return []
-    keys = list(turn.action.arguments) if isinstance(turn.action.arguments, dict) else []
-    return [{"type": "function", "function": {"name": turn.action.name, "parameters": {"type": "object", "properties": {k: {} for k in keys}, "required": keys[:1]}}}]

@@ -13,7 +13,7 @@ policy's chat template instead (:func:`text_training_samples`); captured ids alw
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -93,14 +93,14 @@ class TextSamples:
 def text_training_samples(
     interaction_logs: pl.DataFrame,
     step_advantages: pl.DataFrame,
-    agent_id: str,
+    agent_ids: Collection[str],
     tokenizer,
     context: Sequence[dict] = (),
     max_length: int | None = None,
     held_out: Callable[[str], bool] | None = None,
     tools: Sequence[dict] | None = None,
 ) -> TextSamples:
-    """Training rows of ``agent_id``'s trajectories that carry no token ids: each assistant turn
+    """Training rows of the trajectories of ``agent_ids`` that carry no token ids: each assistant turn
     re-rendered with the policy's own chat template (:func:`flow_assets.policy.logged_rows.trajectory_rows`,
     the gateway's renderer), one sample per turn, with the advantage of the turn's last step that
     has one (its decision; per-step credit from the ``advantages`` asset).
@@ -108,7 +108,7 @@ def text_training_samples(
     Args:
         interaction_logs: the batch's ``interaction_logs`` partition (``record_json``, ``agent_id``).
         step_advantages: ``trajectory_id, index, advantage``.
-        agent_id: the agent whose flows train this policy.
+        agent_ids: the agents whose flows train this policy.
         tokenizer: the policy's tokenizer (its chat template).
         context: messages the agent sent before its query (a system prompt), if any.
         max_length: the model's context in tokens; a turn whose prompt and completion exceed it
@@ -124,16 +124,22 @@ def text_training_samples(
         :class:`TextSamples`. A trajectory with any captured token ids is left to
         :func:`training_samples` (captured ids win); one that logged ``metadata.temperature``
         is scored at it, others at T = 1 (counted in ``assumed_temperature``).
+
+    Raises:
+        TypeError: ``agent_ids`` is a single string.
     """
     from flow_assets.logs.schema import Trajectory
     from flow_assets.policy.logged_rows import trajectory_rows
+
+    if isinstance(agent_ids, str):  # a bare id would be read as its characters
+        raise TypeError(f"agent_ids must be a collection of agent ids, not the string {agent_ids!r}")
 
     advantage_of = {(t, int(i)): a for t, i, a in step_advantages.select("trajectory_id", "index", "advantage").iter_rows() if a is not None}
     samples: list[TrainingSample] = []
     versions: list[str | None] = []
     skipped: list[tuple[str, int, str]] = []
     read = assumed = held = 0
-    for (record,) in interaction_logs.filter(pl.col("agent_id") == agent_id).select("record_json").iter_rows():
+    for (record,) in interaction_logs.filter(pl.col("agent_id").is_in(list(agent_ids))).select("record_json").iter_rows():
         trajectory = Trajectory.model_validate_json(record)
         if any(step.token_ids is not None for step in trajectory.steps):
             continue

@@ -434,16 +434,10 @@ def train_candidate(
     model, tokenizer = store.load(champion["adapter_path"], trainable=True)
     text = TextSamples([], [], 0, 0, [], 0)
     if "interaction_logs" in tables:
-        for agent in trained_agents:
-            more = text_training_samples(
-                tables["interaction_logs"], tables["step_advantages"], agent, tokenizer,
-                max_length=getattr(model.config, "max_position_embeddings", None), held_out=is_held_out, tools=tools,
-            )  # fmt: skip
-            text = TextSamples(
-                text.samples + more.samples, text.adapter_versions + more.adapter_versions, text.trajectories + more.trajectories,
-                text.turns + more.turns, text.skipped + more.skipped, text.assumed_temperature + more.assumed_temperature,
-                text.held_out_trajectories + more.held_out_trajectories,
-            )  # fmt: skip
+        text = text_training_samples(
+            tables["interaction_logs"], tables["step_advantages"], trained_agents, tokenizer,
+            max_length=getattr(model.config, "max_position_embeddings", None), held_out=is_held_out, tools=tools,
+        )  # fmt: skip
     if text.samples and update_rule == "grpo":
         rescored = text_behaviour_logprobs(store, registry, champion, model, tokenizer.pad_token_id, text, config.micro_batch_size or 16)
         text = dataclasses.replace(text, samples=rescored)

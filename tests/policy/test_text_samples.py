@@ -25,7 +25,7 @@ def test_text_turns_become_samples_and_held_out_tasks_never_train():
     trajectories.append(Trajectory(**{**_flat(train, "zzz").model_dump(), "agent_id": "someone-else"}))
     logs = pl.DataFrame({"agent_id": [t.agent_id for t in trajectories], "record_json": [t.model_dump_json() for t in trajectories]})
     advantages = pl.DataFrame({"trajectory_id": [t.trajectory_id for t in trajectories], "index": [0] * 5, "advantage": [0.5, 0.7, 0.9, -0.25, 1.0]})
-    text = text_training_samples(logs, advantages, "me", tokenizer, held_out=is_held_out)
+    text = text_training_samples(logs, advantages, ["me"], tokenizer, held_out=is_held_out)
     assert (text.trajectories, text.turns, text.held_out_trajectories) == (2, 2, 1)  # the captured one is not text
     assert [s.advantage for s in text.samples] == [0.5, -0.25] and text.adapter_versions == ["v0", "v0"]
     assert text.assumed_temperature == 2 and all(s.temperature == 1.0 for s in text.samples)
@@ -35,5 +35,13 @@ def test_text_turns_become_samples_and_held_out_tasks_never_train():
     assert (text.samples[0].prompt_ids, text.samples[0].completion_ids) == (prompt, completion)
     assert completion[-1] == tokenizer.eos_token_id
     # a turn longer than the model's context is skipped with the reason, not cut
-    short = text_training_samples(logs, advantages, "me", tokenizer, max_length=len(prompt) + 2)
+    short = text_training_samples(logs, advantages, ["me"], tokenizer, max_length=len(prompt) + 2)
     assert short.turns == 0 and all("over the model's context" in why for _, _, why in short.skipped)
+
+
+def test_a_bare_agent_id_is_refused_not_read_as_its_characters():
+    import pytest
+
+    logs = pl.DataFrame({"agent_id": ["m"], "record_json": [_flat("w1", "x").model_dump_json()]})
+    with pytest.raises(TypeError, match="collection of agent ids"):
+        text_training_samples(logs, pl.DataFrame({"trajectory_id": [], "index": [], "advantage": []}), "me", build_char_tokenizer())

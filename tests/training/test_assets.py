@@ -457,7 +457,7 @@ def test_the_agents_own_text_log_trains_on_the_turns_it_captured(world):
     store = PolicyStore(str(world.models))
     model, tokenizer = store.load(champion["adapter_path"])
     text = text_training_samples(lake.read_partition("interaction_logs", key), lake.read_partition("step_advantages", key),
-                                 source.agent_id, tokenizer)  # fmt: skip
+                                 [source.agent_id], tokenizer)  # fmt: skip
     assert text.trajectories == len(records) and text.turns == len(records) and not text.skipped
     assert text.assumed_temperature == len(records)  # the flat log says no temperature: T = 1, as collected
     rescored = text_behaviour_logprobs(store, world.registry, champion, model, tokenizer.pad_token_id, text)
