@@ -161,7 +161,7 @@ def awr_loss(
         ValueError: shape mismatches, a non-finite advantage, or ``beta_kl > 0`` without ``ref_logp``.
     """
     from flow_assets.rl.grpo_config import GRPOLossConfig
-    from flow_assets.rl.grpo_loss import _aggregate, k3_kl
+    from flow_assets.rl.grpo_loss import aggregate_tokens, k3_kl
 
     config = config or AWRLossConfig()
     if logp.dim() != 2:
@@ -185,7 +185,7 @@ def awr_loss(
         kl = k3_kl(logp, ref_logp.detach())  # [batch, seq]
         if config.beta_kl > 0:
             per_token = per_token + config.beta_kl * kl
-    loss = _aggregate(per_token, kept_mask, GRPOLossConfig(loss_type=config.loss_type, max_completion_length=config.max_completion_length))
+    loss = aggregate_tokens(per_token, kept_mask, GRPOLossConfig(loss_type=config.loss_type, max_completion_length=config.max_completion_length))
 
     n_kept = int(kept.sum())
     n_tokens = float(kept_mask.sum())

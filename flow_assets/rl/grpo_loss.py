@@ -133,7 +133,7 @@ def grpo_loss(
         if config.beta > 0:
             per_token = per_token + config.beta * kl
 
-    loss = _aggregate(per_token, mask, config)
+    loss = aggregate_tokens(per_token, mask, config)
 
     with torch.no_grad():
         n = mask.sum()
@@ -155,8 +155,15 @@ def grpo_loss(
     )
 
 
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
-    """Reduce ``per_token: [batch, seq]`` to a scalar as ``config.loss_type`` says."""
+def aggregate_tokens(per_token: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig) -> torch.Tensor:
+    """Reduce ``per_token: [batch, seq]`` over ``mask: [batch, seq]`` to a scalar as
+    ``config.loss_type`` says (TRL's aggregations: ``grpo`` per-sequence mean then batch mean;
+    ``bnpo`` / ``dapo`` token mean; ``dr_grpo`` sum over ``batch * max_completion_length``, Liu et
+    al. 2025). Shared by the GRPO surrogate and the advantage-weighted likelihood.
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
     batch, seq = per_token.shape
     masked = per_token * mask
     if config.loss_type == "grpo":
