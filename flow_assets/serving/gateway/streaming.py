@@ -179,6 +179,17 @@ class ChatStream(EventSourceResponse):
         finally:
             self._on_close()
 
+    def translated(self, translate: Callable[[AsyncIterator[str]], AsyncIterator[Any]]) -> "ChatStream":
+        """The same call streamed in another API's event shape (the Responses and Messages APIs).
+
+        ``translate`` receives this stream's ``data`` texts (Chat Completions chunks as JSON, an
+        error body, ``[DONE]``) and yields what to send instead: texts or
+        :class:`sse_starlette.ServerSentEvent` (which carry an ``event:`` name). Capture is
+        unchanged: the turn is recorded when ``translate`` has pulled the chunk that follows the
+        last tool call, and ``on_close`` still runs once, last.
+        """
+        return ChatStream(translate(self.body_iterator), self._on_close, headers={k: v for k, v in self.headers.items() if k.lower().startswith("x-flowopt")})
+
 
 def token_queue(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[int, list[int], list[float]], None], Callable[[Any], None]]:
     """A queue the batcher's worker thread feeds: ``(queue, on_tokens, on_done)``. ``on_tokens``
