@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--source", default="gateway", help="landing sub-directory of rollouts that name no batch")
     serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
     serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")
-    serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands as an error after this many seconds")
+    serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands unlabelled (for the judge) after this many seconds")
     serve.add_argument("--tokens-file", default=None, help="bearer tokens, one a line, besides $FLOWOPT_GATEWAY_TOKENS (comma-separated); "
                        "required to bind beyond loopback")  # fmt: skip
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (default 8; larger: 413)")

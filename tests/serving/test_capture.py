@@ -43,4 +43,9 @@ def test_a_rollout_is_not_reaped_while_one_of_its_calls_is_being_served():
     assert recorder.reap() == []  # idle only since the call ended
     now[0] = 52.0
     ((trajectory, _),) = recorder.reap()
-    assert trajectory.metadata["error"]["kind"] == "not_finished" and len(trajectory.steps) == 1
+    assert trajectory.outcome is None and trajectory.metadata["unfinished"]["reason"] == "not_finished" and len(trajectory.steps) == 1
+    # a rollout that never made a call has nothing to score: an error, not unlabelled
+    recorder.open(RolloutSettings(task_id="t"), "silent")
+    now[0] = 60.0
+    ((empty, _),) = recorder.reap()
+    assert empty.metadata["error"]["kind"] == "no_llm_call" and empty.outcome.score == 0.0

@@ -142,7 +142,7 @@ def test_malformed_requests_get_4xx_in_openai_error_shape(fresh_policy_dir, tmp_
         assert client.get("/no/such/route").json()["error"]["type"] == "invalid_request_error"
 
 
-def test_a_rollout_never_finished_lands_as_an_error_after_its_timeout(fresh_policy_dir, tmp_path):
+def test_a_rollout_never_finished_lands_unlabelled_after_its_timeout(fresh_policy_dir, tmp_path):
     config = GatewayConfig(rollout_timeout_s=0.3, reap_every_s=0.1, batch_flush_seconds=0.2, default_max_tokens=4)
     with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path / "landing", config=config) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", default_headers={"X-Agent-ID": "orphan"})
@@ -155,8 +155,9 @@ def test_a_rollout_never_finished_lands_as_an_error_after_its_timeout(fresh_poli
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     (path,) = (tmp_path / "landing" / "gateway").glob("*.jsonl")
     (trajectory,) = _landed(path)
-    assert trajectory.trajectory_id == "orphan" and trajectory.metadata["error"]["kind"] == "not_finished"
-    assert trajectory.outcome.success is False and trajectory.outcome.score == 0.0
+    # no reward came: stored for a judge to score, not a failure
+    assert trajectory.trajectory_id == "orphan" and trajectory.outcome is None and "error" not in trajectory.metadata
+    assert trajectory.metadata["unfinished"]["reason"] == "not_finished"
     assert len(trajectory.steps) == 1 and len(trajectory.steps[0].token_ids) == 4  # the turn it made is kept
 
 

@@ -92,7 +92,8 @@ class GatewayConfig:
         max_batch_rows: most sequences generated together (dynamic batching).
         max_wait_ms: how long the batcher waits for one more request, milliseconds.
         default_max_tokens: completion cap when a request sets none (also capped by the context).
-        rollout_timeout_s: a rollout idle this long (no call, no finish) lands as an error.
+        rollout_timeout_s: a rollout idle this long (no call, no finish) lands unlabelled (an error
+            when it made no delivered call; :meth:`RolloutRecorder.reap`).
         batch_max_trajectories / batch_flush_seconds: when the rolling batch (rollouts that name
             no batch) closes.
         source: landing sub-directory of the rolling batch.

@@ -232,7 +232,7 @@ def _first_user_message(turns: list[Turn]) -> str:
 
 def build_trajectory(
     rollout: OpenRollout,
-    outcome: Outcome,
+    outcome: Outcome | None,
     final_answer: str | None = None,
     metadata: dict[str, Any] | None = None,
     error: dict[str, str] | None = None,
@@ -240,7 +240,9 @@ def build_trajectory(
     """The canonical trajectory of a finished rollout.
 
     ``final_answer`` defaults to the content of the last turn when it made no tool call; an
-    ``error`` (``{"kind", "message"}``) makes the outcome a failure with score 0.
+    ``error`` (``{"kind", "message"}``) makes the outcome a failure with score 0; ``outcome``
+    ``None`` without an error is an *unlabelled* trajectory (stored, no reward until a judge or a
+    later label gives one).
 
     Raises:
         pydantic.ValidationError: the result is not a valid trajectory (e.g. empty ``task_id``).
@@ -294,8 +296,9 @@ class RolloutRecorder:
     Thread-safe (the gateway's event loop and its reaper share it).
 
     Args:
-        timeout_s: a rollout without activity for this long is finished as an error by
-            :meth:`reap` (kind ``not_finished``).
+        timeout_s: a rollout without activity for this long is landed by :meth:`reap`:
+            *unlabelled* when it made a delivered call (the agent never sent its reward; the
+            judge can score it), as an error (``no_llm_call``) when it made none.
         clock: monotonic seconds (tests pass a fake one).
     """
 
@@ -368,16 +371,19 @@ class RolloutRecorder:
         final_answer: str | None = None,
         metadata: dict[str, Any] | None = None,
         error: dict[str, str] | None = None,
+        unlabelled: bool = False,
         **settings: Any,
     ) -> tuple[Trajectory, RolloutSettings]:
         """Close a rollout: its trajectory and settings (where it is to land). ``settings``
         (``task_id``, ``query``, ``agent_id``) fill what the rollout was opened without.
+        ``unlabelled``: close it without an outcome (:func:`build_trajectory`).
 
         Raises:
-            RolloutError: unknown or already finished rollout, or neither outcome nor error.
+            RolloutError: unknown or already finished rollout, or neither outcome nor error
+                (nor ``unlabelled``).
             pydantic.ValidationError: the trajectory is invalid (the rollout stays open).
         """
-        if outcome is None and error is None:
+        if outcome is None and error is None and not unlabelled:
             raise RolloutError("finish needs an outcome (success or score) or an error")
         with self._lock:
             rollout = self._open.get(rollout_id)
@@ -389,14 +395,19 @@ class RolloutRecorder:
                     setattr(rollout.settings, name, value)
             if not any(t.delivered for t in rollout.turns) and error is None:
                 error = {"kind": "no_llm_call", "message": "the rollout finished without calling the model"}
-            trajectory = build_trajectory(rollout, outcome or Outcome(success=False, score=0.0), final_answer, metadata, error)
+            if outcome is None and error is None and not unlabelled:
+                outcome = Outcome(success=False, score=0.0)
+            trajectory = build_trajectory(rollout, outcome, final_answer, metadata, error)
             del self._open[rollout_id]
             self._finished.add(rollout_id)
         return trajectory, rollout.settings
 
     def reap(self, reason: str = "not_finished", everything: bool = False) -> list[tuple[Trajectory, RolloutSettings]]:
-        """Finish as errors the rollouts idle for longer than ``timeout_s`` (every open one with
-        ``everything``, when the gateway stops)."""
+        """Land the rollouts idle for longer than ``timeout_s``: unlabelled, with
+        ``metadata["unfinished"] = {"reason", "message"}`` (``reason`` is ``reason``), since the
+        agent that never sent a reward may still have acted well and a judge can score the flow.
+        With ``everything`` (the gateway stops) every open rollout lands, as an error of kind
+        ``reason``: its episode may have been cut mid-way."""
         now = self.clock()
         with self._lock:
             stale = [r for r in self._open.values() if everything or (not r.in_flight and now - r.last_activity > self.timeout_s)]
@@ -407,7 +418,11 @@ class RolloutRecorder:
                 else f"no call and no finish for {now - rollout.last_activity:.0f} s (timeout {self.timeout_s:.0f} s)"
             )  # fmt: skip
             try:
-                landed.append(self.finish(rollout.rollout_id, None, error={"kind": reason, "message": message}))
+                if everything:
+                    landed.append(self.finish(rollout.rollout_id, None, error={"kind": reason, "message": message}))
+                else:
+                    unfinished = {"unfinished": {"reason": reason, "message": message}}
+                    landed.append(self.finish(rollout.rollout_id, None, metadata=unfinished, unlabelled=True))
             except RolloutError:
                 continue  # finished meanwhile
         return landed
