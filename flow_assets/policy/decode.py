@@ -346,6 +346,26 @@ class RowDecoder:
                 self._keep([i for i, r in enumerate(self.rows) if r is not None])
             return done
 
+    def stop(self, rows: Sequence[DecodeRow]) -> list[DecodeRow]:
+        """End ``rows`` now (their caller went away): they keep the tokens sampled so far, are
+        not ``finished``, and are no longer decoded for. Rows not in the batch are ignored.
+
+        Returns:
+            The rows of ``rows`` that were still running.
+        """
+        wanted = {id(r) for r in rows}
+        stopped = []
+        for i, r in enumerate(self.rows):
+            if r is not None and id(r) in wanted:
+                stopped.append(r)
+                self.rows[i] = None
+        self.live -= len(stopped)
+        if stopped and not self.live:
+            self._empty()
+        elif stopped and 4 * (len(self.rows) - self.live) >= len(self.rows):
+            self._keep([i for i, r in enumerate(self.rows) if r is not None])
+        return stopped
+
     def _keep(self, keep: list[int]) -> None:
         index = torch.tensor(keep)
         cache = self.cache

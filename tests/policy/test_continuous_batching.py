@@ -124,3 +124,31 @@ def test_the_batcher_admits_calls_into_the_running_batch_and_seeds_are_reproduci
         assert len(batcher.submit(_request(engine, "1+1", adapter, max_tokens=3)).result(timeout=60)[0].completion_ids) <= 3
     finally:
         batcher.close()
+
+
+def test_a_cancelled_call_ends_at_the_next_token_and_its_batch_mates_sample_what_they_would_alone(engine, fresh_policy_dir):
+    adapter = str(fresh_policy_dir / "adapters" / "v0")
+    batcher = ContinuousBatcher(engine.activate, engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id, engine.max_positions)
+    try:
+        alone = batcher.submit(_request(engine, "12*34", adapter, seed=7, n=2, max_tokens=40)).result(timeout=60)
+        seen = []
+
+        def leave_after_three(i, ids, lps):
+            seen.extend(ids)
+            if len(seen) >= 3:
+                victim.cancelled = True  # set from the worker thread here; any thread may set it
+
+        victim = _request(engine, "5+5", adapter, seed=1, max_tokens=100, temperature=0.0, on_tokens=leave_after_three)
+        cancelled = batcher.submit(victim)
+        mates = batcher.submit(_request(engine, "12*34", adapter, seed=7, n=2, max_tokens=40))
+        (partial,) = cancelled.result(timeout=60)
+        # ended at the token boundary after the flag: what was sampled so far, not finished
+        assert 3 <= len(partial.completion_ids) <= 4 and not partial.finished and len(partial.logprobs) == len(partial.completion_ids)
+        assert partial.completion_ids[:3] == seen[:3]
+        assert [r.completion_ids for r in mates.result(timeout=60)] == [r.completion_ids for r in alone]
+        # a request cancelled before it is admitted never decodes
+        early = _request(engine, "1+1", adapter, max_tokens=5)
+        early.cancelled = True
+        assert batcher.submit(early).result(timeout=60)[0].completion_ids == []
+    finally:
+        batcher.close()

@@ -23,6 +23,16 @@ def _landed(path: str) -> dict[str, Trajectory]:
     return {t.trajectory_id: t for t in trajectories}
 
 
+#: a call that decodes for seconds on CPU: the fresh tiny policy's greedy completion runs to max_tokens
+LONG = {"n": 64, "temperature": 0.0, "max_tokens": 110}
+
+
+def _cancelled(url: str) -> float:
+    """Generations the gateway cancelled because their client went away."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.split()[1]) for line in lines if line.startswith("flowopt_gateway_cancelled_total"))
+
+
 def _completion_tokens(url: str) -> float:
     """The gateway's completion-token counter: it moves when a call's turn is recorded."""
     lines = httpx.get(f"{url}/metrics").text.splitlines()
@@ -129,8 +139,9 @@ def test_a_client_that_leaves_mid_stream_leaves_an_undelivered_turn_that_is_not_
         client.post("/rollouts", json={"rollout_id": "left", "task_id": "t", "batch": "b"})
         kept = client.post("/rollouts/left/v1/chat/completions", json={**body, "max_tokens": 4}).json()
         before = _completion_tokens(server.url)
-        # 64 choices of up to 110 tokens: seconds of decoding on CPU, and the client leaves after the first chunk
-        with client.stream("POST", "/rollouts/left/v1/chat/completions", json={**body, "n": 64, "stream": True}) as stream:
+        # 64 greedy choices of 110 tokens (this model's greedy completion never ends early): seconds
+        # of decoding on CPU, and the client leaves after the first chunk
+        with client.stream("POST", "/rollouts/left/v1/chat/completions", json={**body, **LONG, "stream": True}) as stream:
             assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
             first = next(stream.iter_lines())
             assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
@@ -140,12 +151,40 @@ def test_a_client_that_leaves_mid_stream_leaves_an_undelivered_turn_that_is_not_
         sampled = _completion_tokens(server.url) - before
         done = client.post("/rollouts/left/finish", json={"score": 1.0}).json()
         landed = _landed(client.post("/batches/b/close").json()["path"])
+        cancelled = _cancelled(server.url)
     trajectory = landed["left"]
     assert done["llm_calls"] == 1 and [s.token_ids for s in trajectory.steps] == [trajectory.steps[0].token_ids]
     assert trajectory.steps[0].output == kept["choices"][0]["message"]["content"]
     (undelivered,) = trajectory.metadata["undelivered_turns"]
     assert undelivered["reason"] == "client_disconnected"
-    assert undelivered["completion_tokens"] == sampled >= 64  # every choice's tokens, counted, none trained
+    # every choice's tokens counted, none trained; the generation was cancelled when the client
+    # left (the batcher's own test shows a cancelled call ends at the next token)
+    assert 64 <= undelivered["completion_tokens"] == sampled < 64 * 110 and cancelled == 1
+
+
+def test_a_client_that_times_out_cancels_its_generation_and_its_retry_is_the_only_turn(fresh_policy_dir, tmp_path):
+    body = {"model": "policy", "messages": [{"role": "user", "content": "ab"}]}
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
+        client.post("/rollouts", json={"rollout_id": "retried", "task_id": "t", "batch": "b"})
+        before = _completion_tokens(server.url)
+        # seconds of decoding on CPU; the client gives up after 0.3 s and closes its connection,
+        # as the openai client does before it retries
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/rollouts/retried/v1/chat/completions", json={**body, **LONG}, timeout=0.3)
+        deadline = time.monotonic() + 60
+        while _completion_tokens(server.url) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        abandoned = _completion_tokens(server.url) - before
+        retry = client.post("/rollouts/retried/v1/chat/completions", json={**body, "max_tokens": 4}).json()
+        client.post("/rollouts/retried/finish", json={"score": 1.0})
+        landed = _landed(client.post("/batches/b/close").json()["path"])
+        cancelled = _cancelled(server.url)
+    trajectory = landed["retried"]
+    # the retry is the turn; the abandoned one is listed, not trained
+    assert [s.output for s in trajectory.steps] == [retry["choices"][0]["message"]["content"]]
+    (undelivered,) = trajectory.metadata["undelivered_turns"]
+    assert undelivered["reason"] == "client_disconnected" and undelivered["completion_tokens"] == abandoned
+    assert 64 <= abandoned < 64 * 110 and cancelled == 1
 
 
 def test_the_rollout_id_may_come_as_the_api_key(fresh_policy_dir, tmp_path):

@@ -294,6 +294,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     latency = Histogram("flowopt_gateway_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=metrics,
                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
     tokens_served = Counter("flowopt_gateway_tokens", "tokens served by kind (prompt, completion) and adapter version", ["kind", "adapter"], registry=metrics)
+    cancelled_total = Counter("flowopt_gateway_cancelled", "generations cancelled because their client went away, by mode",
+                              ["mode"], registry=metrics)  # fmt: skip
 
     app.add_middleware(_Metrics, requests_total=requests_total, latency=latency)
 
@@ -362,19 +364,22 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(
         body: ChatCompletionRequest,
+        request: Request,
         x_agent_id: str | None = Header(None),
         x_session_id: str | None = Header(None),
         authorization: str | None = Header(None),
     ):
-        return await _chat(body, x_agent_id or key_rollout(authorization), x_session_id)
+        return await _chat(body, x_agent_id or key_rollout(authorization), x_session_id, request)
 
     @app.post("/rollouts/{rollout_id}/v1/chat/completions")
-    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest, x_session_id: str | None = Header(None)):
-        return await _chat(body, rollout_id, x_session_id)
+    async def chat_in_rollout(rollout_id: str, body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)):
+        return await _chat(body, rollout_id, x_session_id, request)
 
-    async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None):
+    async def _chat(req: ChatCompletionRequest, rollout_id: str | None, session: str | None = None, request: Request | None = None):
+        """Serve one chat call (a JSONResponse, or a ChatStream for ``stream``); ``request``, when
+        given, is watched for the client going away (its generation is then cancelled)."""
         if not rollout_id:
-            return await _serve_call(req, None, None, session)
+            return await _serve_call(req, None, None, session, request)
         try:
             # the call is activity from its start: a generation longer than the rollout timeout
             # must not see its rollout reaped under it
@@ -383,7 +388,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
         response = None
         try:
-            response = await _serve_call(req, rollout_id, settings, session)
+            response = await _serve_call(req, rollout_id, settings, session, request)
             return response
         finally:
             if not isinstance(response, ChatStream):  # a stream ends the call when it is over
@@ -502,7 +507,32 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion_tokens,
                 "total_tokens": len(call.prompt_ids) + completion_tokens}  # fmt: skip
 
-    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+    async def _generated(call: _Call, request: Request | None) -> tuple[list, bool]:
+        """The call's rollouts, and whether its client is still there. A client that goes away
+        while its completion is sampled (a timeout, a retry) cancels the generation: the batch
+        stops decoding for nobody, and the retry does not queue behind its abandoned twin."""
+        future = asyncio.wrap_future(gateway.batcher.submit(call.work))
+        if request is None:
+            return await future, True
+
+        async def gone() -> None:
+            # the body has been read, so the next ASGI message is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait((future, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not future.done() and watcher.done() and watcher.exception() is None:
+                call.work.cancelled = True
+                cancelled_total.labels("plain").inc()
+                return await future, False
+            return await future, True
+        finally:
+            watcher.cancel()
+
+    async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None,
+                          request: Request | None = None):  # fmt: skip
         call = _prepare(req, rollout_id, settings, session)
         if isinstance(call, JSONResponse):
             return call
@@ -510,11 +540,15 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             return refused
         if req.stream:
             return await _stream(call)
-        rollouts = await asyncio.wrap_future(gateway.batcher.submit(call.work))
+        rollouts, connected = await _generated(call, request)
         failed = next((r.error for r in rollouts if r.error), None)
         if failed:
             return _error(400, failed, param="messages")
         choices, out_choices = _choices(call, rollouts)
+        if not connected:
+            # recorded as not delivered (never trained); the answer below goes nowhere
+            _served(call, choices, delivered=False)
+            return _error(499, "the client closed the request before its completion was ready", code="client_closed_request")
         if (conflict := _served(call, choices)) is not None:
             return conflict
         return JSONResponse(
@@ -608,6 +642,9 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         def closed() -> None:
             """The response is over: end the rollout's call, recording the turn as undelivered
             when the stream did not get that far (once its generation is done)."""
+            if not state["recorded"] and not future.done():
+                call.work.cancelled = True  # nobody reads the rest: stop sampling it
+                cancelled_total.labels("stream").inc()
             if state["recorded"] or not call.rollout_id:
                 if call.rollout_id:
                     gateway.recorder.call_ended(call.rollout_id)

@@ -64,6 +64,11 @@ class GenerationRequest:
             call); the :class:`ContinuousBatcher` calls it after every decoding step, the
             :class:`DynamicBatcher` never (the future's rollouts carry the whole completion).
             It must not block: the worker decodes every running row.
+        cancelled: set (from any thread) when the caller no longer wants the completions (its
+            client went away): the :class:`ContinuousBatcher` ends the request's rows at the next
+            token and resolves ``future`` with what was sampled so far (``finished`` false), so
+            the work of a call nobody reads stops occupying the batch; the
+            :class:`DynamicBatcher` still runs a request it has started to the end.
     """
 
     adapter_path: str
@@ -75,6 +80,7 @@ class GenerationRequest:
     seed: int | None = None
     future: Future = field(default_factory=Future)
     on_tokens: Callable[[int, list[int], list[float]], None] | None = None
+    cancelled: bool = False
 
     @property
     def group_key(self) -> tuple:
@@ -182,7 +188,7 @@ class _Pending:
     request: GenerationRequest
     results: list[Rollout | None]
     left: int
-    rows: list[DecodeRow] = field(default_factory=list)  # filled when the request streams
+    rows: list[DecodeRow] = field(default_factory=list)  # every row of the request
     reported: list[int] = field(default_factory=list)  # tokens of each row handed to on_tokens
 
 
@@ -290,6 +296,7 @@ class ContinuousBatcher:
                     done = decoder.step()
                     self._report(running)
                     self._finish(done, running)
+                    self._cancel(decoder, running)
             except Exception as exc:  # noqa: BLE001 - handed to every caller whose rows were decoding
                 for pending in running:
                     if not pending.request.future.done():
@@ -308,6 +315,10 @@ class ContinuousBatcher:
             if decoder.size + len(rows) + request.n > self.max_batch_rows and (decoder.size or rows):
                 break
             waiting.popleft()
+            if request.cancelled:
+                request.future.set_running_or_notify_cancel()
+                request.future.set_result([Rollout(0, i, "", list(request.prompt_ids), [], "", [], False) for i in range(request.n)])
+                continue
             if not request.future.set_running_or_notify_cancel():
                 continue  # the caller went away
             pending = _Pending(request, [None] * request.n, request.n)
@@ -321,9 +332,8 @@ class ContinuousBatcher:
             seed = request.seed if request.seed is not None else int(self._rng.integers(2**63))
             for i, stream in enumerate(row_streams(seed, request.n)):
                 rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream, (pending, i)))
-                if request.on_tokens is not None:
-                    pending.rows.append(rows[-1])
-                    pending.reported.append(0)
+                pending.rows.append(rows[-1])
+                pending.reported.append(0)
             running.append(pending)
         if rows:
             self.batches += 1
@@ -332,10 +342,17 @@ class ContinuousBatcher:
             self._report(running)
             self._finish(done, running)
 
+    def _cancel(self, decoder, running: list[_Pending]) -> None:
+        """End the rows of cancelled requests; their futures get the tokens sampled so far."""
+        for pending in [p for p in running if p.request.cancelled]:
+            self._finish(decoder.stop(pending.rows), running)
+
     @staticmethod
     def _report(running: list[_Pending]) -> None:
         """Hand the tokens sampled since the last report to the requests that stream them."""
         for pending in running:
+            if pending.request.on_tokens is None:
+                continue
             for i, row in enumerate(pending.rows):
                 if len(row.tokens) > pending.reported[i]:
                     start, pending.reported[i] = pending.reported[i], len(row.tokens)

@@ -26,8 +26,9 @@ What is captured does not depend on streaming: the completion is cut at stop str
 from the batcher's final rollouts by the same code as a non-streaming call, and the turn is
 recorded once all of its content and tool calls have been handed to the server, before the
 ``finish_reason`` chunk. A client that disconnects before that leaves a turn recorded as not
-delivered (:attr:`~flow_assets.serving.gateway.capture.Turn.delivered`), never trained. Its
-generation is not stopped: it runs to ``eos`` or ``max_tokens`` as the non-streaming call's does.
+delivered (:attr:`~flow_assets.serving.gateway.capture.Turn.delivered`), never trained, and its
+generation is cancelled (:attr:`~flow_assets.serving.gateway.batcher.GenerationRequest.cancelled`):
+the batch stops decoding it at the next token, and the turn records what was sampled until then.
 
 Importing ``sse-starlette`` wraps uvicorn's ``Server.handle_exit`` (the library's own doing, on
 import: the original handler still runs, and streams are ended when the server is asked to stop).
