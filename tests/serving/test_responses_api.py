@@ -1,6 +1,7 @@
 """The Responses API (``POST /v1/responses``) over real HTTP with the official ``openai`` client on
 the real tiny calculator policy: it captures what the equivalent chat call captures."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from flow_assets.serving.gateway.responses_api import (
     chat_request,
     chat_tools,
     response_from_chat,
+    stream_events,
 )
 from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
@@ -223,3 +225,49 @@ def test_a_request_translates_to_the_chat_request_and_a_completion_back_to_a_res
     assert [o.type for o in response.output] == ["message", "function_call"] and response.output_text == "51566"
     assert response.output[1].call_id == "call_1" and response.usage.total_tokens == 10 and response.metadata == {"k": "v"}
     assert response.text.format.type == "json_schema" and response.tools[0].name == "calculator"
+
+
+def _translated(req: ResponsesRequest, chunks: list) -> list[dict]:
+    """The Responses events :func:`stream_events` makes of chat ``data`` texts (dicts as JSON)."""
+
+    async def source():
+        for c in chunks:
+            yield c if isinstance(c, str) else json.dumps(c)
+
+    async def collect():
+        return [json.loads(e.data) async for e in stream_events(req, source())]
+
+    return asyncio.run(collect())
+
+
+def test_a_chat_stream_translates_to_events_that_close_the_message_before_the_calls_and_end_failed_on_an_error():
+    req = ResponsesRequest(model="policy", input="874*59", include=["message.output_text.logprobs"])
+    lp = lambda *ps: {"content": [{"token": "t", "logprob": p, "bytes": [116], "top_logprobs": []} for p in ps]}  # noqa: E731
+    head = {"id": "chatcmpl-1", "created": 5, "model": "policy", "object": "chat.completion.chunk"}
+    role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    text = {**head, "choices": [{"index": 0, "delta": {"content": "ok"}, "logprobs": lp(-0.5), "finish_reason": None}]}
+    start = {"index": 0, "id": "call_9", "type": "function", "function": {"name": "calculator", "arguments": ""}}
+    call = [{**head, "choices": [{"index": 0, "delta": {"tool_calls": [start]}, "logprobs": None, "finish_reason": None}]},
+            {**head, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, "logprobs": None,
+                                  "finish_reason": None}]}]  # fmt: skip
+    end = {**head, "choices": [{"index": 0, "delta": {}, "logprobs": lp(-0.25, -0.125), "finish_reason": "tool_calls"}]}
+    usage = {**head, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+    events = _translated(req, [role, text, *call, end, usage, "[DONE]"])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    # the finish chunk's log-probs (the call's tokens, eos) complete the message's list
+    assert [x["logprob"] for x in events[5]["logprobs"]] == [-0.5, -0.25, -0.125] and events[5]["text"] == "ok"
+    assert events[8]["output_index"] == 1 and events[8]["item"]["arguments"] == "" and events[11]["item"]["arguments"] == "{}"
+    final = openai.types.responses.Response.model_validate(events[-1]["response"])
+    assert [o.type for o in final.output] == ["message", "function_call"] and final.output[1].call_id == "call_9"
+    assert final.usage.total_tokens == 7 and final.output[0].id == events[2]["item"]["id"]
+    error = {"error": {"message": "rollout r finished", "type": "invalid_request_error", "param": "X-Agent-ID", "code": "rollout_finished"}}
+    failed = _translated(req, [role, text, error])
+    assert [e["type"] for e in failed][-2:] == ["response.output_text.delta", "response.failed"]
+    assert failed[-1]["response"]["status"] == "failed" and failed[-1]["response"]["error"]["code"] == "invalid_prompt"
+    assert failed[-1]["response"]["error"]["message"] == "rollout r finished"
