@@ -7,6 +7,9 @@ Routes (all JSON; errors in OpenAI's shape, never a stack trace):
                                             :mod:`flow_assets.serving.gateway.streaming`)
     POST /rollouts/{id}/v1/chat/completions the same, captured under rollout ``id`` (for clients
                                             that cannot set the ``X-Agent-ID`` header)
+    POST /v1/responses                      the Responses API (stateless), served as a chat completion
+                                            (:mod:`flow_assets.serving.gateway.responses_api`)
+    POST /rollouts/{id}/v1/responses        the same, captured under rollout ``id``
     POST /rollouts                          open one rollout or a list of them (task, batch,
                                             sampling overrides; optional: a call with an unknown
                                             ``X-Agent-ID`` opens one with defaults)
@@ -75,6 +78,7 @@ from flow_assets.serving.gateway.protocol import (
     error_body,
     validation_message,
 )
+from flow_assets.serving.gateway import responses_api
 from flow_assets.serving.gateway.streaming import ChatStream, ChoiceText, chunk, token_queue
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
@@ -393,6 +397,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         finally:
             if not isinstance(response, ChatStream):  # a stream ends the call when it is over
                 gateway.recorder.call_ended(rollout_id)
+
+    responses_api.add_routes(app, _chat, key_rollout)
 
     def _prepare(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
         """The call's rendered prompt and sampling work, or the error response that refuses it."""

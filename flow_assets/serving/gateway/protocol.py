@@ -95,6 +95,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # accepted, not enforced yet (Responses' text.format maps to it)
 
     @field_validator("stop")
     @classmethod
