@@ -54,7 +54,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from sse_starlette import ServerSentEvent
@@ -540,7 +540,7 @@ async def stream_events(req: ResponsesRequest, chunks: AsyncIterator[str]) -> As
 
 
 #: the gateway's chat path: ``(request, rollout id, session) -> JSONResponse | ChatStream``
-ChatCall = Callable[[ChatCompletionRequest, str | None, str | None], Awaitable[Any]]
+ChatCall = Callable[[ChatCompletionRequest, str | None, str | None, Request | None], Awaitable[Any]]
 
 
 def add_routes(app: FastAPI, chat: ChatCall, key_rollout: Callable[[str | None], str | None]) -> None:
@@ -549,7 +549,7 @@ def add_routes(app: FastAPI, chat: ChatCall, key_rollout: Callable[[str | None],
     Args:
         app: the gateway's application (its exception handlers answer a malformed body with a 400
             naming the field).
-        chat: the chat path, ``chat(request, rollout_id, session)`` -> a JSONResponse (a
+        chat: the chat path, ``chat(request, rollout_id, session, http_request)`` -> a JSONResponse (a
             completion, or an error in OpenAI's shape, which the Responses API shares) or a
             :class:`~flow_assets.serving.gateway.streaming.ChatStream`.
         key_rollout: the rollout an ``Authorization`` header's API key names, or ``None``. As for
@@ -559,22 +559,23 @@ def add_routes(app: FastAPI, chat: ChatCall, key_rollout: Callable[[str | None],
     @app.post("/v1/responses")
     async def responses(
         body: ResponsesRequest,
+        http: Request,
         x_agent_id: str | None = Header(None),
         x_session_id: str | None = Header(None),
         authorization: str | None = Header(None),
     ):
-        return await _respond(body, x_agent_id or key_rollout(authorization), x_session_id)
+        return await _respond(body, x_agent_id or key_rollout(authorization), x_session_id, http)
 
     @app.post("/rollouts/{rollout_id}/v1/responses")
-    async def responses_in_rollout(rollout_id: str, body: ResponsesRequest, x_session_id: str | None = Header(None)):
-        return await _respond(body, rollout_id, x_session_id)
+    async def responses_in_rollout(rollout_id: str, body: ResponsesRequest, http: Request, x_session_id: str | None = Header(None)):
+        return await _respond(body, rollout_id, x_session_id, http)
 
-    async def _respond(body: ResponsesRequest, rollout_id: str | None, session: str | None):
+    async def _respond(body: ResponsesRequest, rollout_id: str | None, session: str | None, http: Request):
         try:
             request = chat_request(body)
         except RequestError as exc:
             return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
-        answer = await chat(request, rollout_id, session)
+        answer = await chat(request, rollout_id, session, http)  # the client going away cancels the call
         if isinstance(answer, ChatStream):
             return answer.translated(lambda chunks: stream_events(body, chunks))
         if answer.status_code != 200:
