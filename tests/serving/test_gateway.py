@@ -173,3 +173,50 @@ def test_stopping_the_gateway_lands_open_rollouts_and_batches(fresh_policy_dir, 
     assert [t.trajectory_id for t in landed["b1.jsonl"]] == ["done"]
     (rolling,) = [v for k, v in landed.items() if k.startswith("gateway-")]
     assert rolling[0].metadata["error"]["kind"] == "not_finished"
+
+
+def test_a_champion_promoted_mid_call_serves_the_next_calls_while_the_call_in_flight_ends_on_the_old_weights(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from resources.registry import AdapterRegistry
+    from tests.conftest import make_policy_dir
+
+    root = make_policy_dir(tmp_path / "policy")
+    v0, v1 = root / "adapters" / "v0", root / "adapters" / "v1"
+    shutil.copytree(v0, v1)
+    weights = load_file(str(v1 / "adapter_model.safetensors"))
+    generator = torch.Generator().manual_seed(3)
+    save_file({k: torch.randn(w.shape, generator=generator) * 0.3 if "lora_B" in k else w for k, w in weights.items()},
+              str(v1 / "adapter_model.safetensors"))  # fmt: skip
+    store = PolicyStore(str(root))
+    # 64 greedy rows of 110 tokens: seconds of decoding, long enough to promote during it
+    body = {"model": "policy", "messages": [{"role": "user", "content": "ab"}], "temperature": 0.0}
+    with serve_policy(store, tmp_path / "landing") as server, ThreadPoolExecutor(1) as pool:
+        url = server.url
+        httpx.post(f"{url}/rollouts", json=[{"rollout_id": r, "task_id": "t", "batch": "b"} for r in ("old", "new")])
+        old = pool.submit(httpx.post, f"{url}/rollouts/old/v1/chat/completions", json={**body, "n": 64, "max_tokens": 110}, timeout=120)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health").json()["generated_sequences"] < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        AdapterRegistry(root=str(root)).promote("v1", str(v1), {}, by="test", reason="promoted mid-call")
+        new = httpx.post(f"{url}/rollouts/new/v1/chat/completions", json={**body, "max_tokens": 8}, timeout=120)
+        old = old.result()
+        assert old.status_code == new.status_code == 200  # nothing dropped: the new call waited for the old batch
+        for r in ("old", "new"):
+            httpx.post(f"{url}/rollouts/{r}/finish", json={"score": 1.0})
+        landed = {t.trajectory_id: t for t in _landed(Path(httpx.post(f"{url}/batches/b/close").json()["path"]))}
+    assert (old.headers["X-Flowopt-Adapter-Version"], new.headers["X-Flowopt-Adapter-Version"]) == ("v0", "v1")
+    assert (landed["old"].adapter_version, landed["new"].adapter_version) == ("v0", "v1")
+    # each turn's log-probs are its own version's (teacher forcing), so the ratio a round computes is honest
+    for name, version in (("old", v0), ("new", v1)):
+        model, tokenizer = store.load(str(version))
+        (step,) = landed[name].steps
+        logp, _ = completion_logprobs(model, [step.prompt_token_ids], [step.token_ids], tokenizer.pad_token_id, 1.0)
+        assert torch.allclose(logp[0], torch.tensor(step.logprobs), atol=1e-4)
+    other, _ = store.load(str(v0))
+    step = landed["new"].steps[0]
+    logp, _ = completion_logprobs(other, [step.prompt_token_ids], [step.token_ids], tokenizer.pad_token_id, 1.0)
+    assert not torch.allclose(logp[0], torch.tensor(step.logprobs), atol=1e-2)  # the versions differ
