@@ -75,6 +75,12 @@ def test_deep_nesting_and_huge_seeds_are_400_never_500(fresh_policy_dir, tmp_pat
         huge = {**CHAT, "messages": [{"role": "user", "content": "ab " * 1_000_000}]}
         reply = client.post("/v1/chat/completions", json=huge)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+        # an image is refused, naming where it is, not dropped; text parts are read
+        parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+        reply = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": parts}]})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "messages.0.content" and "'image_url'" in error["message"], reply.text
+        assert client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": parts[:1]}]}).status_code == 200
     assert json_depth({"a": [1, {"b": []}]}) == 4 and json_depth(5) == 0
 
 

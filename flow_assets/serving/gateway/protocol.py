@@ -33,7 +33,13 @@ class ToolCallIn(BaseModel):
 
 
 class Message(BaseModel):
-    """One chat message (``content`` a string or a list of ``{"type": "text", "text": ...}`` parts)."""
+    """One chat message (``content`` a string or a list of ``{"type": "text", "text": ...}`` parts).
+
+    Raises:
+        pydantic.ValidationError: a content part that is not text (``image_url``,
+            ``input_audio``, ``file``): the policies served are text-only, and a part silently
+            dropped would train the policy on a conversation the agent never had.
+    """
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -41,6 +47,16 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(value, list):
+            for k, part in enumerate(value):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {k} has type {kind!r}: only text parts are supported (this policy reads no images, audio or files)")
+        return value
 
 
 class FunctionSpec(BaseModel):
