@@ -10,6 +10,8 @@ Routes (all JSON; errors in OpenAI's shape, never a stack trace):
     POST /v1/responses                      the Responses API (stateless), served as a chat completion
                                             (:mod:`flow_assets.serving.gateway.responses_api`)
     POST /rollouts/{id}/v1/responses        the same, captured under rollout ``id``
+    POST /v1/messages                       Anthropic's Messages API (streaming too), translated onto
+    POST /rollouts/{id}/v1/messages         the chat path: :mod:`flow_assets.serving.gateway.messages_api`
     POST /rollouts                          open one rollout or a list of them (task, batch,
                                             sampling overrides; optional: a call with an unknown
                                             ``X-Agent-ID`` opens one with defaults)

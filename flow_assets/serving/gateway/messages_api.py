@@ -204,7 +204,7 @@ def _validation_error(exc: ValidationError, prefix: str) -> RequestError:
     """The first problem of ``exc`` as a :class:`RequestError` naming its field under ``prefix``.
     pydantic's union members (``str``, ``list[...]``) are left out of the name."""
     first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p in ("str", "function-after")))]
+    loc = [str(p) for p in first.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p == "str"))]
     param = ".".join(([prefix] if prefix else []) + loc) or None
     return RequestError(param, str(first.get("msg")))
 
