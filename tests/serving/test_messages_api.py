@@ -33,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def test_a_messages_request_translates_to_the_chat_request_it_means():
     req = parse_request({
-        "model": "policy", "max_tokens": 16, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["END"],
+        "model": "policy", "max_tokens": 16, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop_sequences": ["END"], "seed": 3,
         "system": [{"type": "text", "text": "be brief"}],
         "metadata": {"user_id": "session-7"},
         "tools": [TOOL], "tool_choice": {"type": "tool", "name": "calculator"},
@@ -58,7 +58,7 @@ def test_a_messages_request_translates_to_the_chat_request_it_means():
     ]  # fmt: skip
     assert chat["tools"] == [{"type": "function", "function": {"name": "calculator", "description": TOOL["description"], "parameters": TOOL["input_schema"]}}]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "calculator"}}
-    assert (chat["max_tokens"], chat["temperature"], chat["top_p"], chat["stop"], chat["user"]) == (16, 0.5, 0.9, ["END"], "session-7")
+    assert (chat["max_tokens"], chat["temperature"], chat["top_p"], chat["stop"], chat["user"], chat["seed"]) == (16, 0.5, 0.9, ["END"], "session-7", 3)
     assert chat["stream"] is False and "stream_options" not in chat
     streamed = to_chat_request(parse_request({"model": "m", "max_tokens": 1, "stream": True, "messages": [{"role": "user", "content": "a"}]}))
     assert streamed.stream and streamed.stream_options.include_usage

@@ -35,6 +35,7 @@ none                                    ``"none"`` (recorded, not enforced, as f
 ``temperature`` (0..1), ``top_p``
 ``metadata.user_id``                    ``user`` (the live A/B's session when no
                                         ``X-Session-ID``)
+``seed`` (a gateway extension)          ``seed``
 ======================================  =====================================================
 
 Refused with 400 naming the field: ``image`` and ``document`` blocks (and any other block type
@@ -166,7 +167,8 @@ class Metadata(BaseModel):
 
 class MessagesRequest(BaseModel):
     """``POST /v1/messages`` (https://docs.anthropic.com/en/api/messages). ``tools``, ``system``
-    and ``thinking`` are checked by :func:`to_chat_request`; ``top_k`` is accepted and ignored."""
+    and ``thinking`` are checked by :func:`to_chat_request`; ``top_k`` is accepted and ignored;
+    ``seed`` is the gateway's extension."""
 
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
@@ -184,6 +186,8 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
     output_config: dict[str, Any] | None = None
+    # a gateway extension (``extra_body={"seed": 7}``), as for the Responses API: reproducible samples
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
 
 
 def parse_request(body: Any) -> MessagesRequest:
@@ -345,7 +349,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
-    for field in ("temperature", "top_p"):
+    for field in ("temperature", "top_p", "seed"):
         if getattr(req, field) is not None:
             body[field] = getattr(req, field)
     if req.stop_sequences:
