@@ -100,6 +100,7 @@ def test_n_choices_stop_strings_and_the_path_prefix_rollout(fresh_policy_dir, tm
         cut_reply = client.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()
         cut = cut_reply["choices"][0]
         assert cut["finish_reason"] == "stop" and cut["message"]["content"] == text[: text.index(stop)]
+        assert cut["stop_reason"] == stop and one["stop_reason"] is None  # vLLM's field: which stop string ended it
         done = client.post("/rollouts/by-path/finish", json={"task_id": "t", "success": False}).json()
         assert done["llm_calls"] == 1 and done["completion_tokens"] == lengths[0]  # the first choice is the turn
         # Prometheus: requests and latency per route template, and the tokens served

@@ -10,6 +10,8 @@ Routes (all JSON; errors in OpenAI's shape, never a stack trace):
     POST /v1/responses                      the Responses API (stateless), served as a chat completion
                                             (:mod:`flow_assets.serving.gateway.responses_api`)
     POST /rollouts/{id}/v1/responses        the same, captured under rollout ``id``
+    POST /v1/messages                       Anthropic's Messages API (streaming too), translated onto
+    POST /rollouts/{id}/v1/messages         the chat path: :mod:`flow_assets.serving.gateway.messages_api`
     POST /rollouts                          open one rollout or a list of them (task, batch,
                                             sampling overrides; optional: a call with an unknown
                                             ``X-Agent-ID`` opens one with defaults)
@@ -78,7 +80,7 @@ from flow_assets.serving.gateway.protocol import (
     error_body,
     validation_message,
 )
-from flow_assets.serving.gateway import responses_api
+from flow_assets.serving.gateway import messages_api, responses_api
 from flow_assets.serving.gateway.streaming import ChatStream, ChoiceText, chunk, token_queue
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
@@ -223,16 +225,17 @@ def _strings(value: Any) -> list[str]:
 
 
 def _cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], text: str, stops: list[str] | None):
-    """Cut a completion at the first stop string: ``(ids, logprobs, text, stopped)``. The ids keep
-    the token that completed the stop string (it was sampled); the text ends before it."""
+    """Cut a completion at the first stop string: ``(ids, logprobs, text, stop)``, ``stop`` the
+    stop string that cut it (``None``: none did). The ids keep the token that completed the stop
+    string (it was sampled); the text ends before it."""
     hits = [(text.find(s), s) for s in stops or () if s in text]
     if not hits:
-        return ids, logprobs, text, False
+        return ids, logprobs, text, None
     pos, stop = min(hits)
     for k in range(1, len(ids) + 1):
         if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= pos + len(stop):
-            return ids[:k], logprobs[:k], text[:pos], True
-    return ids, logprobs, text[:pos], True
+            return ids[:k], logprobs[:k], text[:pos], stop
+    return ids, logprobs, text[:pos], stop
 
 
 def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
@@ -399,6 +402,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                 gateway.recorder.call_ended(rollout_id)
 
     responses_api.add_routes(app, _chat, key_rollout)
+    # Anthropic's Messages API, translated onto the chat path (same capture)
+    messages_api.add_routes(app, _chat, key_rollout)
 
     def _prepare(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
         """The call's rendered prompt and sampling work, or the error response that refuses it."""
@@ -469,13 +474,13 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         choices, out_choices = [], []
         for index, rollout in enumerate(rollouts):
             text = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
-            ids, lps, text, stopped = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
+            ids, lps, text, stop = _cut_at_stop(tokenizer, rollout.completion_ids, rollout.logprobs, text, req.stop)
             parsed = parse_tool_calls(text, gateway.engine.chat.tool_calls, None if req.tool_choice == "none" else call.tools)
             calls = [
                 {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls
             ]
-            reason = "tool_calls" if calls else ("stop" if rollout.finished or stopped else "length")
+            reason = "tool_calls" if calls else ("stop" if rollout.finished or stop else "length")
             if parsed.error:
                 log.info("rollout %s: tool call not parsed (%s); returned as text", call.rollout_id or "-", parsed.error)
             choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error))
@@ -488,6 +493,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                     "message": message,
                     "logprobs": _logprobs_payload(tokenizer, ids, lps) if req.logprobs else None,
                     "finish_reason": reason,
+                    # vLLM's field: the stop string that ended the choice (the Messages API's stop_sequence)
+                    "stop_reason": stop,
                 }
             )
         return choices, out_choices
@@ -591,9 +598,9 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                   "system_fingerprint": call.ref.version}  # fmt: skip
         state = {"recorded": False}
 
-        def piece(index: int, delta: dict[str, Any], first_token: int, end: int, ids, lps, reason: str | None = None):
+        def piece(index: int, delta: dict[str, Any], first_token: int, end: int, ids, lps, reason: str | None = None, **extra):
             logprobs = _logprobs_payload(tokenizer, ids[first_token:end], lps[first_token:end]) if req.logprobs else None
-            return chunk(header, [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}], include_usage)
+            return chunk(header, [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason, **extra}], include_usage)
 
         async def events():
             for i in range(req.n):
@@ -633,7 +640,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                     start = {"index": k, "id": tool_call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}
                     yield piece(i, {"tool_calls": [start]}, a, a, ids, c_lps)
                     yield piece(i, {"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]}, a, a, ids, c_lps)
-                tail.append(piece(i, {}, a, b, ids, c_lps, choice.finish_reason))
+                tail.append(piece(i, {}, a, b, ids, c_lps, choice.finish_reason, stop_reason=out["stop_reason"]))
             # everything the agent acts on has been handed to the server: the turn is delivered
             state["recorded"] = True
             if (conflict := _served(call, choices)) is not None:
@@ -674,7 +681,9 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
 
             future.add_done_callback(hop)  # runs at once when the generation is already done
 
-        return ChatStream(events(), closed, headers={"X-Flowopt-Adapter-Version": call.ref.version})
+        # the prompt's tokens, known now: the Messages API's message_start event reports them
+        headers = {"X-Flowopt-Adapter-Version": call.ref.version, "X-Flowopt-Prompt-Tokens": str(len(call.prompt_ids))}
+        return ChatStream(events(), closed, headers=headers)
 
     @app.post("/rollouts")
     async def open_rollouts(body: RolloutOpen | list[RolloutOpen]):

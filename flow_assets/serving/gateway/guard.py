@@ -3,7 +3,8 @@
 :class:`RequestGuard` is an ASGI middleware, so it decides before FastAPI reads anything:
 
 1. **Token**: when the gateway has tokens, every route but ``/health`` needs
-   ``Authorization: Bearer <token>`` or ``Bearer <token>:<rollout id>`` (checked from the headers
+   ``Authorization: Bearer <token>`` or ``Bearer <token>:<rollout id>`` (or the same key as
+   ``x-api-key``, as Anthropic's clients send it; checked from the headers
    alone by :func:`check_key`, constant-time compares as the training API's
    :func:`~flow_assets.core.untrusted.authorised`); otherwise HTTP 401 and the body is never read.
    OpenAI clients send their ``api_key`` this way, so an agent that can set nothing but its API
@@ -132,8 +133,10 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.tokens and scope.get("path") not in OPEN_PATHS and not check_key(bearer_key(headers.get("authorization")), self.tokens)[0]:
-            await _refuse(send, 401, "a valid bearer token is required (Authorization: Bearer <token> or <token>:<rollout id>)", "invalid_api_key")
+        # x-api-key: how Anthropic's clients send their key (the Messages API route)
+        keys = (bearer_key(headers.get("authorization")), headers.get("x-api-key"))
+        if self.tokens and scope.get("path") not in OPEN_PATHS and not any(check_key(k, self.tokens)[0] for k in keys if k):
+            await _refuse(send, 401, "a valid bearer token is required (Authorization: Bearer <token> or <token>:<rollout id>, or x-api-key: the same)", "invalid_api_key")
             return
         limits = self.limits
         declared = headers.get("content-length")
