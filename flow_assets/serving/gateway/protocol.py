@@ -2,10 +2,12 @@
 flowopt's rollout endpoints.
 
 Requests are validated here, so a client learns which field is wrong with a 400 in OpenAI's error
-shape (``{"error": {"message", "type", "param", "code"}}``) instead of a 500. Fields OpenAI
-defines that the gateway does not use (``frequency_penalty``, ``parallel_tool_calls``,
-``metadata`` ...) are accepted and ignored, as other OpenAI-compatible servers do; fields it uses
-are type-checked.
+shape (``{"error": {"message", "type", "param", "code"}}``) instead of a 500. Fields it uses
+are type-checked. Fields that would change what is sampled but cannot be honoured (repetition
+penalties, ``logit_bias``, the legacy ``functions``, audio, images) are refused by name unless they
+carry their neutral value; fields without effect on sampling (``metadata``, ``store``,
+``service_tier`` ...) are accepted and ignored. docs/gateway.md's support table lists them, and a
+test checks every row of it.
 """
 
 from __future__ import annotations
@@ -122,6 +124,53 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop must be up to 4 non-empty strings")
         return stops
+
+    # Fields that would change what is sampled and that the gateway cannot honour: their neutral
+    # values (what clients send by default) pass, any other is refused by name rather than
+    # silently ignored, so an agent never believes a setting took effect when it did not.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("repetition penalties are not supported (sampling is temperature and top_p only): send 0 or omit it")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported: omit it (or send {})")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("the legacy functions / function_call fields are not supported: send tools and tool_choice")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(m != "text" for m in value):
+            raise ValueError("only the text modality is served")
+        return value
+
+    @field_validator("audio", "prediction")
+    @classmethod
+    def _not_served(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise ValueError("not supported by this gateway (text completions only, no predicted outputs)")
+        return value
 
 
 class RolloutOpen(BaseModel):
