@@ -13,7 +13,12 @@
    is worth when sampling costs what a real small model's does on this CPU.
 3. ``throughput``: chat completions per second through the gateway with 8, 64 and 256 agents
    calling at once (8 tokens each), and in process at the same batch sizes.
-4. ``smollm2``: sampling tokens/s of the real pretrained model (SmolLM2-135M-Instruct, the
+4. ``streaming``: the same 8 concurrent calls as ``overhead`` (32 tokens each, fresh model),
+   streamed (``stream: true``) and not, alternately: per call, the time to its first content
+   token (streamed: the first chunk with content; not streamed: the whole response) and to its
+   last token (the response's end). Streaming should move the first token to about one
+   decoding step after the prefill while costing little at the last.
+5. ``smollm2``: sampling tokens/s of the real pretrained model (SmolLM2-135M-Instruct, the
    ``smollm2`` extra; skipped without it and in quick runs): the real-model demo's word-problem
    agents (two worked examples, the calculator tool, up to 3 LLM calls each) on 64 train tasks at
    once through the gateway at T = 0.5, completion tokens per second of wall time; and the same
@@ -41,8 +46,8 @@ import torch
 from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
 from flow_assets.serving.gateway.serve import serve_policy
 
-FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200}
-QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10}
+FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200, "streaming_repeats": 10}
+QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10, "streaming_repeats": 1}
 #: SmolLM2-135M-Instruct's shape (its config: 30 layers, hidden 576, MLP 1536, 9 heads), with the
 #: character vocabulary; no grouped-query attention (the tiny model's builder has none), so a
 #: little more attention compute than the real one
@@ -142,6 +147,50 @@ def overhead(store, repeats: int) -> dict:
             "goal": "<= 0.10", "meets_goal": extra <= 0.10}  # fmt: skip
 
 
+async def _timed_calls(url: str, prompts: list[str], max_tokens: int, stream: bool) -> list[tuple[float, float]]:
+    """One call per prompt, all at once: ``(seconds to the first content token, seconds to the
+    last)`` per call, from when the calls start."""
+    tls = ssl.create_default_context()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for _ in prompts:
+            http = await stack.enter_async_context(httpx2.AsyncClient(verify=tls))
+            clients.append(openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0))
+
+        async def call(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, float]:
+            kwargs = dict(model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+            if not stream:
+                await client.chat.completions.create(**kwargs)
+                done = time.perf_counter() - started
+                return done, done
+            first = None
+            async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - started
+            done = time.perf_counter() - started
+            return (first if first is not None else done), done
+
+        started = time.perf_counter()
+        return list(await asyncio.gather(*(call(c, p) for c, p in zip(clients, prompts))))
+
+
+def streaming(store, repeats: int) -> dict:
+    """Time to first and last token per call, streamed and not (module docstring, 4)."""
+    prompts = [f"{100 + k}*{10 + k}" for k in range(8)]
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    with serve_policy(store, store.models_root) as server:
+        for stream in (False, True):
+            asyncio.run(_timed_calls(server.url, prompts, OVERHEAD_TOKENS, stream))  # warm-up
+        for _ in range(repeats):
+            for stream in (False, True):
+                times[stream] += asyncio.run(_timed_calls(server.url, prompts, OVERHEAD_TOKENS, stream))
+    out = {}
+    for stream, name in ((False, "plain"), (True, "streamed")):
+        out[name] = {"first_token_seconds": summarize([a for a, _ in times[stream]]), "last_token_seconds": summarize([b for _, b in times[stream]])}
+    out["last_token_ratio"] = ratio(out["streamed"]["last_token_seconds"]["median"], out["plain"]["last_token_seconds"]["median"])
+    return out
+
+
 def throughput(store, calls: int) -> dict:
     """Completions/s through the gateway with c agents calling at once, and in process at batch c."""
     out = {}
@@ -216,6 +265,7 @@ def run(quick: bool = False) -> dict:
         pair = agents_8_vs_1(agent_store, settings["pairs"])
         extra = overhead(fresh_store, settings["overhead_repeats"])
         rates = throughput(fresh_store, settings["throughput_calls"])
+        streams = streaming(fresh_store, settings["streaming_repeats"])
         extra_135m = None
         if settings["overhead_repeats_135m"]:
             extra_135m = overhead(_policy(work / "size-135m", 0, SIZE_135M), settings["overhead_repeats_135m"])
@@ -233,6 +283,12 @@ def run(quick: bool = False) -> dict:
             "value": 100 * extra_135m["overhead"], "unit": "%",
             "note": f"{extra_135m['overhead_ms_per_call']:.1f} ms per call; in process {extra_135m['in_process_seconds']['median']:.2f} s per batch"}]
           if extra_135m else []),
+        {"figure": "time to first token, 8 concurrent calls, streamed", "value": 1000 * streams["streamed"]["first_token_seconds"]["median"],
+         "unit": "ms", "note": f"not streamed (the whole response): {1000 * streams['plain']['first_token_seconds']['median']:.0f} ms; "
+                               f"{OVERHEAD_TOKENS} tokens per completion"},
+        {"figure": "time to last token, streamed / not streamed, 8 concurrent calls", "value": streams["last_token_ratio"], "unit": "x",
+         "note": f"medians {1000 * streams['streamed']['last_token_seconds']['median']:.0f} ms / "
+                 f"{1000 * streams['plain']['last_token_seconds']['median']:.0f} ms"},
         *({"figure": f"completions/s through the gateway, {c} agents", "value": r["completions_per_second"], "unit": "compl/s",
            "note": f"in process at batch {c}: {r['in_process_completions_per_second']:.0f}/s; "
                    f"{r['mean_rows_per_generation']:.1f} sequences per admission (calls prefilled together; a generate call with continuous=False)"} for c, r in rates.items()),
@@ -250,6 +306,7 @@ def run(quick: bool = False) -> dict:
         "overhead": extra,
         "overhead_135m_shape": extra_135m,
         "throughput": rates,
+        "streaming": streams,
         "smollm2": smollm2,
         "seconds": time.perf_counter() - started,
         "headline": headline,

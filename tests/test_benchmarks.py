@@ -130,6 +130,11 @@ def test_gateway_quick_compares_agents_overhead_and_throughput():
     for c, r in result["throughput"].items():
         assert r["completions"] >= int(c) and positive(r["completions_per_second"])
         assert 1 <= r["mean_rows_per_generation"] <= int(c)  # batched, never more rows than agents
+    for mode in ("plain", "streamed"):
+        first, last = (result["streaming"][mode][k]["median"] for k in ("first_token_seconds", "last_token_seconds"))
+        assert 0 < first <= last
+    # not streamed, the first token arrives with the last
+    assert result["streaming"]["plain"]["first_token_seconds"] == result["streaming"]["plain"]["last_token_seconds"]
     assert_headline(result)
 
 
