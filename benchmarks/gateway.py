@@ -23,6 +23,14 @@
    agents (two worked examples, the calculator tool, up to 3 LLM calls each) on 64 train tasks at
    once through the gateway at T = 0.5, completion tokens per second of wall time; and the same
    64 first-turn prompts sampled in process in one batch (48 new tokens at most).
+6. ``constrained``: the per-token cost of constrained decoding (``response_format`` /
+   ``tool_choice``, :mod:`flow_assets.policy.constrained`) on the tiny model: 8 rows decoded by
+   the continuous decoder to at most 48 tokens, each constrained to a small JSON schema (an
+   llguidance mask before every draw, the token fed to the matcher after it) against the same
+   rows unconstrained, decoded to their cap (no end token: a random model's rows would otherwise
+   end at random, and rows that ended still ride along until they are dropped, which would charge
+   the unconstrained run for tokens it never samples); milliseconds per sampled token (wall time
+   over tokens: row-steps) and per step.
 
 Everything runs in this process with the harness's clients (real sockets on 127.0.0.1): the
 client side (``openai``, ``httpx2``) shares the interpreter with the server, as in the
@@ -46,13 +54,22 @@ import torch
 from benchmarks.common import REPO_ROOT, ratio, real_model_threads, summarize
 from flow_assets.serving.gateway.serve import serve_policy
 
-FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200, "streaming_repeats": 10}
-QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10, "streaming_repeats": 1}
+FULL = {"pairs": 15, "overhead_repeats": 20, "overhead_repeats_135m": 5, "throughput_calls": 512, "sft_steps": 200, "streaming_repeats": 10, "constrained_repeats": 10}
+QUICK = {"pairs": 1, "overhead_repeats": 1, "overhead_repeats_135m": 0, "throughput_calls": 16, "sft_steps": 10, "streaming_repeats": 1, "constrained_repeats": 1}
 #: SmolLM2-135M-Instruct's shape (its config: 30 layers, hidden 576, MLP 1536, 9 heads), with the
 #: character vocabulary; no grouped-query attention (the tiny model's builder has none), so a
 #: little more attention compute than the real one
 SIZE_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9}
 CONCURRENCY = (8, 64, 256)
+CONSTRAINED_ROWS, CONSTRAINED_TOKENS = 8, 48
+#: a flat JSON object of bounded length (about 45 characters: the tiny model writes one per token)
+TRIP_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                   "direct": {"type": "boolean"}},
+    "required": ["city", "days", "direct"],
+    "additionalProperties": False,
+}  # fmt: skip
 OVERHEAD_TOKENS = 32
 THROUGHPUT_TOKENS = 8
 
@@ -207,6 +224,43 @@ def throughput(store, calls: int) -> dict:
     return out
 
 
+def constrained_cost(store, repeats: int) -> dict:
+    """Milliseconds per token and per step of the continuous decoder with every row constrained to
+    :data:`TRIP_SCHEMA` and with none (same prompts, seeds and caps, alternating, after a warm-up)."""
+    from flow_assets.policy.chat import chat_format, render_prompt
+    from flow_assets.policy.constrained import ConstraintCompiler
+    from flow_assets.policy.decode import DecodeRow, RowDecoder, row_streams
+
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    compiler = ConstraintCompiler(tokenizer, model.config.vocab_size, chat_format(tokenizer).tool_calls)
+    constraint = compiler.response_format({"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP_SCHEMA}})
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": f"trip {k}"}])[1] for k in range(CONSTRAINED_ROWS)]
+
+    def once(constrained: bool, seed: int) -> tuple[float, int, int]:
+        # unconstrained: no token ends a row (eos -1), so every row runs to the cap (module docstring)
+        decoder = RowDecoder(model, tokenizer.eos_token_id if constrained else -1, tokenizer.pad_token_id)
+        rows = [DecodeRow(list(p), 1.0, 1.0, CONSTRAINED_TOKENS, s, matcher=constraint.matcher() if constrained else None)
+                for p, s in zip(prompts, row_streams(seed, len(prompts)))]  # fmt: skip
+        started, steps = time.perf_counter(), 0
+        decoder.add(rows)
+        while decoder.size:
+            decoder.step()
+            steps += 1
+        return time.perf_counter() - started, sum(len(r.tokens) for r in rows), steps
+
+    once(True, 0), once(False, 0)
+    per_token: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    per_step: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    for k in range(repeats):
+        for name in per_token:
+            seconds, tokens, steps = once(name == "constrained", k)
+            per_token[name].append(1000 * seconds / tokens)
+            per_step[name].append(1000 * seconds / max(steps + 1, 1))  # the prefill draws the first token
+    c, u = summarize(per_token["constrained"])["median"], summarize(per_token["unconstrained"])["median"]
+    return {"ms_per_token": {k: summarize(v) for k, v in per_token.items()}, "ms_per_step": {k: summarize(v) for k, v in per_step.items()},
+            "rows": CONSTRAINED_ROWS, "max_tokens": CONSTRAINED_TOKENS, "extra_ms_per_token": c - u, "ratio": ratio(c, u)}  # fmt: skip
+
+
 def smollm2_sampling(work: Path, agents: int = 64) -> dict:
     """Completion tokens/s of SmolLM2-135M-Instruct through the gateway (``agents`` word-problem
     agents at once) and in process (their first-turn prompts in one batch); ``skipped`` without
@@ -254,7 +308,8 @@ def run(quick: bool = False) -> dict:
     """The gateway benchmark (module docstring).
 
     Returns:
-        ``agents_8_vs_1``, ``overhead``, ``throughput`` (per concurrency) and ``headline``.
+        ``agents_8_vs_1``, ``overhead``, ``throughput`` (per concurrency), ``streaming``, ``constrained``
+        and ``headline``.
     """
     settings = QUICK if quick else FULL
     started = time.perf_counter()
@@ -266,6 +321,7 @@ def run(quick: bool = False) -> dict:
         extra = overhead(fresh_store, settings["overhead_repeats"])
         rates = throughput(fresh_store, settings["throughput_calls"])
         streams = streaming(fresh_store, settings["streaming_repeats"])
+        constrained = constrained_cost(fresh_store, settings["constrained_repeats"])
         extra_135m = None
         if settings["overhead_repeats_135m"]:
             extra_135m = overhead(_policy(work / "size-135m", 0, SIZE_135M), settings["overhead_repeats_135m"])
@@ -289,6 +345,9 @@ def run(quick: bool = False) -> dict:
         {"figure": "time to last token, streamed / not streamed, 8 concurrent calls", "value": streams["last_token_ratio"], "unit": "x",
          "note": f"medians {1000 * streams['streamed']['last_token_seconds']['median']:.0f} ms / "
                  f"{1000 * streams['plain']['last_token_seconds']['median']:.0f} ms"},
+        {"figure": "constrained decoding (JSON schema), ms per token vs unconstrained", "value": constrained["ms_per_token"]["constrained"]["median"],
+         "unit": "ms/token", "note": f"unconstrained {constrained['ms_per_token']['unconstrained']['median']:.2f} ms/token "
+                                     f"({constrained['ratio']:.2f}x); {CONSTRAINED_ROWS} rows, tiny model"},
         *({"figure": f"completions/s through the gateway, {c} agents", "value": r["completions_per_second"], "unit": "compl/s",
            "note": f"in process at batch {c}: {r['in_process_completions_per_second']:.0f}/s; "
                    f"{r['mean_rows_per_generation']:.1f} sequences per admission (calls prefilled together; a generate call with continuous=False)"} for c, r in rates.items()),
@@ -307,6 +366,7 @@ def run(quick: bool = False) -> dict:
         "overhead_135m_shape": extra_135m,
         "throughput": rates,
         "streaming": streams,
+        "constrained": constrained,
         "smollm2": smollm2,
         "seconds": time.perf_counter() - started,
         "headline": headline,

@@ -135,6 +135,7 @@ def test_gateway_quick_compares_agents_overhead_and_throughput():
         assert 0 < first <= last
     # not streamed, the first token arrives with the last
     assert result["streaming"]["plain"]["first_token_seconds"] == result["streaming"]["plain"]["last_token_seconds"]
+    assert all(positive(result["constrained"]["ms_per_token"][k]["median"]) for k in ("constrained", "unconstrained"))
     assert_headline(result)
 
 

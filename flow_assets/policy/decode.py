@@ -29,10 +29,22 @@ Vigna's reference implementation) started at ``s``; :func:`row_streams` gives th
 request's rows. So what a row samples depends on its prompt, settings and stream, not on the other
 rows of the batch or when it joined (up to float rounding of the batch's shape, which could move a
 token only if its uniform fell within rounding of a CDF boundary).
+
+Constrained rows. A row with a ``matcher`` (an llguidance ``LLMatcher``,
+:mod:`flow_assets.policy.constrained`) may only sample the tokens the matcher allows: before the
+draw its logits are ``-inf`` elsewhere, its log-prob is that of the masked distribution,
+``log_softmax(masked logits / T)[token]`` (renormalised over the allowed tokens: what actually
+sampled the token, not the policy's own distribution), and the matcher consumes the token after
+it. When the matcher says its grammar is complete (nothing but the end may follow) the row is
+finished: ``eos`` is appended with log-prob 0 (the masked distribution's only token) when
+``max_tokens`` leaves room. A matcher that refuses a token (it cannot happen with its own mask)
+ends the row with :attr:`DecodeRow.error`. Rows without a matcher are decoded exactly as without
+constrained rows in the batch: the mask touches only the rows that have one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +104,11 @@ class DecodeRow:
         stream: the row's random stream state (:func:`row_streams`).
         owner: anything the caller wants back with the row.
         tokens / logprobs: the completion so far and its log-probs (module docstring).
-        finished: it ended with ``eos`` (else it is still running or hit ``max_tokens``).
+        finished: it ended with ``eos``, or its constraint's grammar is complete (else it is still
+            running or hit ``max_tokens``).
+        matcher: an llguidance ``LLMatcher`` the completion must satisfy (module docstring);
+            ``None``: unconstrained.
+        error: why a constrained row was cut short (its matcher refused a token), else ``None``.
     """
 
     prompt_ids: list[int]
@@ -104,6 +120,8 @@ class DecodeRow:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
+    matcher: Any = None
+    error: str | None = None
 
 
 class _RowCache:
@@ -192,11 +210,46 @@ class RowDecoder:
         cache.length += ids.shape[1]
         return out.logits[:, -1].float().cpu()
 
-    def _sample(self, logits: torch.Tensor, greedy, scale, top_ps, nucleus, states, draws) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, greedy, scale, top_ps, nucleus, states, draws, rows) -> tuple[list[int], list[float]]:
         u = stream_uniforms(states, draws)
+        constrained = [i for i, r in enumerate(rows) if r is not None and r.matcher is not None]
+        if constrained:
+            logits, u = self._mask(logits, u, constrained, [rows[i].matcher for i in constrained])
         token = draw_tokens(logits, greedy, scale, top_ps, u, nucleus)  # [rows, 1]
         logp = F.log_softmax(logits / scale, dim=-1).gather(1, token).squeeze(1)
         return token.squeeze(1).tolist(), logp.tolist()
+
+    def _mask(self, logits: torch.Tensor, u: torch.Tensor, constrained: list[int], matchers: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` with ``-inf`` where the matchers of rows ``constrained`` allow no token, and
+        those rows' uniforms at least ``2^-24``: the inverse CDF at ``u = 0`` would pick the first
+        id whatever its probability, a masked one included. Other rows are left as they are."""
+        from flow_assets.policy.constrained import allowed_tokens
+
+        allowed = torch.from_numpy(allowed_tokens(matchers, logits.shape[1]))  # [k, vocab]
+        # a matcher in an error state allows nothing: its row may end (eos) rather than sample NaN
+        allowed[~allowed.any(dim=1), self.eos] = True
+        index = torch.tensor(constrained)
+        logits, u = logits.clone(), u.clone()
+        logits[index] = logits[index].masked_fill(~allowed, -math.inf)
+        u[index] = u[index].clamp(min=2.0**-24)
+        return logits, u
+
+    def _record(self, row: DecodeRow, token: int, logprob: float) -> bool:
+        """Append a sampled token to ``row`` (and feed it to the row's matcher); whether the row is
+        done (module docstring)."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        row.finished = token == self.eos
+        if row.matcher is not None and not row.finished:
+            if not row.matcher.consume_token(token):
+                row.error = f"constrained decoding failed: {row.matcher.get_error().splitlines()[0]}"
+                return True
+            if row.matcher.is_stopped():
+                row.finished = True
+                if len(row.tokens) < row.max_tokens:
+                    row.tokens.append(self.eos)
+                    row.logprobs.append(0.0)  # the only token the mask leaves: probability 1
+        return row.finished or len(row.tokens) >= row.max_tokens
 
     def add(self, rows: Sequence[DecodeRow]) -> list[DecodeRow]:
         """Prefill ``rows`` and draw their first tokens; those not done yet join the batch.
@@ -254,15 +307,13 @@ class RowDecoder:
         top_ps = torch.tensor([r.top_p for r in rows], dtype=torch.float).unsqueeze(1)
         states = np.array([r.stream for r in rows], dtype=np.uint64)
         tokens, logps = self._sample(logits, (greedy_t == 0).unsqueeze(1), scale, top_ps, bool((top_ps < 1).any()), states,
-                                     np.zeros(n, dtype=np.uint64))  # fmt: skip
-        done = []
-        for r, token, lp in zip(rows, tokens, logps):
-            r.tokens.append(token)
-            r.logprobs.append(lp)
-            r.finished = token == self.eos
-            if r.finished or len(r.tokens) >= r.max_tokens:
+                                     np.zeros(n, dtype=np.uint64), rows)  # fmt: skip
+        done, keep = [], []
+        for i, (r, token, lp) in enumerate(zip(rows, tokens, logps)):
+            if self._record(r, token, lp):
                 done.append(r)
-        keep = [i for i, r in enumerate(rows) if not (r.finished or len(r.tokens) >= r.max_tokens)]
+            else:
+                keep.append(i)
         if keep:
             index = torch.tensor(keep)
             new = _RowCache(self.layers, length, capacity, [k.index_select(0, index) for k in cache.keys],
@@ -323,7 +374,7 @@ class RowDecoder:
             self.valid[:, column] = True
             allowed = self.valid[:, : column + 1].unsqueeze(1)  # [rows, 1, column + 1]
             logits = self._forward(self.last.unsqueeze(1), self.positions.unsqueeze(1), allowed, cache)
-            tokens, logps = self._sample(logits, self.greedy, self.scale, self.top_ps, self.nucleus, self.states, self.draws)
+            tokens, logps = self._sample(logits, self.greedy, self.scale, self.top_ps, self.nucleus, self.states, self.draws, self.rows)
             self.draws += np.uint64(1)
             self.positions += 1
             self.last = torch.tensor(tokens)
@@ -331,10 +382,7 @@ class RowDecoder:
             for i, (r, token, lp) in enumerate(zip(self.rows, tokens, logps)):
                 if r is None:
                     continue  # done earlier: decoded along until the rows are compacted, never read
-                r.tokens.append(token)
-                r.logprobs.append(lp)
-                r.finished = token == self.eos
-                if r.finished or len(r.tokens) >= r.max_tokens:
+                if self._record(r, token, lp):
                     done.append(r)
                     self.rows[i] = None
             self.live -= len(done)

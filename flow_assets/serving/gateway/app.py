@@ -31,7 +31,10 @@ without tokens a key that is the id of a rollout the gateway knows (opened with 
 any other key, such as a client's dummy ``"x"``, names nothing). Each call
 is rendered with the policy's chat template, sampled by the batcher (continuous batching), its tool calls are
 parsed into OpenAI ``tool_calls``, and what was sampled is recorded as a turn of its rollout
-(:mod:`flow_assets.serving.gateway.capture`).
+(:mod:`flow_assets.serving.gateway.capture`). A call whose ``tool_choice`` forces a tool call or
+whose ``response_format`` asks for JSON is decoded under the matching grammar
+(:mod:`flow_assets.policy.constrained`, :meth:`Gateway.constraint`; a 400 naming the field where it
+cannot be enforced), and its turn is recorded as constrained.
 
 In front of every route (:mod:`flow_assets.serving.gateway.guard`): bearer tokens when the gateway has
 them (a gateway bound beyond loopback must), a body size cap (413), a body read timeout (408) and
@@ -52,6 +55,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -85,6 +89,7 @@ from flow_assets.serving.gateway.streaming import ChatStream, ChoiceText, chunk,
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.configs import SERVE_MAX_TOKENS
+from flow_assets.policy.constrained import Constraint, ConstraintCompiler, ConstraintError
 from flow_assets.policy.tool_calls import parse_tool_calls
 
 log = logging.getLogger("flowopt.gateway")
@@ -157,6 +162,39 @@ class Gateway:
         # than context * that many characters cannot fit, whatever its tokens (checked before tokenising)
         vocab = engine.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    def constraint(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Constraint | None:
+        """The constraint of a call's ``response_format`` / ``tool_choice`` (``None``: none), built
+        with the policy's tokenizer and tool-call syntax (:mod:`flow_assets.policy.constrained`;
+        the first call builds llguidance's view of the tokenizer, up to a second for a large
+        vocabulary: call it off the event loop).
+
+        Raises:
+            ConstraintError: ``param`` names the field: a ``response_format`` together with a
+                ``tool_choice`` that forces a call, a backend without per-token decoding (vLLM,
+                the dynamic batcher), or a grammar that cannot be enforced (the compiler's errors).
+        """
+        forces_call = req.tool_choice not in (None, "none", "auto")
+        formats = bool(req.response_format) and req.response_format.get("type") != "text"
+        if not (forces_call or formats):
+            return None
+        param = "tool_choice" if forces_call else "response_format"
+        if forces_call and formats:
+            raise ConstraintError("response_format cannot be enforced together with a tool_choice that forces a tool call", "response_format")
+        if not isinstance(self.batcher, ContinuousBatcher):
+            raise ConstraintError(
+                f"{param} is not enforced on this gateway's backend (only the transformers backend with continuous "
+                "batching decodes with a constraint)", param,
+            )  # fmt: skip
+        with self._compiler_lock:
+            if self._compiler is None:
+                vocab = getattr(self.engine.config, "vocab_size", None) or len(self.engine.tokenizer)
+                self._compiler = ConstraintCompiler(self.engine.tokenizer, vocab, self.engine.chat.tool_calls)
+        if forces_call:
+            return self._compiler.tool_choice(req.tool_choice, tools, req.parallel_tool_calls is not False)
+        return self._compiler.response_format(req.response_format)
 
     def land(self, trajectory, settings: RolloutSettings) -> str | None:
         """Hand a finished rollout to its batch (unless it must not land); returns the batch."""
@@ -191,6 +229,7 @@ class _Call:
     chars: int | None  # non-whitespace characters to render (None: the model has no context limit)
     prompt_ids: list[int] = field(default_factory=list)
     work: GenerationRequest | None = None
+    constraint: Constraint | None = None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
@@ -437,6 +476,12 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     async def _render(call: _Call):
         """Render and tokenise the call's prompt and build its sampling work (or an error response)."""
         req, context = call.req, gateway.engine.max_positions
+        if req.tool_choice not in (None, "none", "auto") or req.response_format:
+            try:
+                # compiling a grammar (and, once, reading the tokenizer) takes milliseconds to a second
+                call.constraint = await asyncio.to_thread(gateway.constraint, req, call.tools)
+            except ConstraintError as exc:
+                return _error(400, str(exc), param=exc.param)
         render = functools.partial(render_prompt, tokenizer, call.messages, call.tools, fmt=gateway.engine.chat)
         try:
             # A large prompt renders off the event loop, so it cannot stall other clients. An ordinary
@@ -464,7 +509,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                     code="context_length_exceeded",
                 )
         call.prompt_ids = prompt_ids
-        call.work = GenerationRequest(call.ref.path, prompt_ids, req.n, call.temperature, call.top_p, max_tokens, req.seed)
+        call.work = GenerationRequest(call.ref.path, prompt_ids, req.n, call.temperature, call.top_p, max_tokens, req.seed,
+                                      constraint=call.constraint)  # fmt: skip
         return None
 
     def _choices(call: _Call, rollouts) -> tuple[list[Choice], list[dict[str, Any]]]:
@@ -483,7 +529,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             reason = "tool_calls" if calls else ("stop" if rollout.finished or stop else "length")
             if parsed.error:
                 log.info("rollout %s: tool call not parsed (%s); returned as text", call.rollout_id or "-", parsed.error)
-            choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error))
+            choices.append(Choice(ids, lps, text, parsed.content, calls, reason, parsed.error,
+                                  call.constraint.kind if call.constraint else None))  # fmt: skip
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content if calls else text}
             if calls:
                 message["tool_calls"] = calls

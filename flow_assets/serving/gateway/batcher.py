@@ -28,7 +28,9 @@ another adapter waits until the running batch is done (and holds back those behi
 waits forever). Its seeds are per row: choice ``i`` of a request with seed ``s`` draws from its own
 random stream (:func:`~flow_assets.policy.decode.row_streams` of ``s``), so a seeded request
 samples the same completions whatever it is batched with; requests without a seed get one from
-the batcher's generator.
+the batcher's generator. A request with a ``constraint`` (``response_format`` / ``tool_choice``)
+gives each of its rows its own matcher of it: those rows sample under the grammar's token mask,
+the others as they would without them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,6 +71,10 @@ class GenerationRequest:
             token and resolves ``future`` with what was sampled so far (``finished`` false), so
             the work of a call nobody reads stops occupying the batch; the
             :class:`DynamicBatcher` still runs a request it has started to the end.
+        constraint: a :class:`~flow_assets.policy.constrained.Constraint` every completion must
+            satisfy (each row decodes with its own matcher of it); ``None``: unconstrained. Only
+            the :class:`ContinuousBatcher` enforces it: the :class:`DynamicBatcher` refuses it
+            (``ValueError``).
     """
 
     adapter_path: str
@@ -81,6 +87,7 @@ class GenerationRequest:
     future: Future = field(default_factory=Future)
     on_tokens: Callable[[int, list[int], list[float]], None] | None = None
     cancelled: bool = False
+    constraint: Any = None
 
     @property
     def group_key(self) -> tuple:
@@ -111,7 +118,12 @@ class DynamicBatcher:
         self._thread.start()
 
     def submit(self, request: GenerationRequest) -> Future:
-        """Queue ``request``; its ``future`` resolves when its batch is generated."""
+        """Queue ``request``; its ``future`` resolves when its batch is generated (with a
+        ``ValueError`` at once for a request with a ``constraint``, which this batcher cannot
+        enforce: ``generate`` samples whole batches without a per-token hook)."""
+        if request.constraint is not None:
+            request.future.set_exception(ValueError("constrained decoding needs the continuous batcher"))
+            return request.future
         self._queue.put(request)
         return request.future
 
@@ -331,7 +343,9 @@ class ContinuousBatcher:
                 continue
             seed = request.seed if request.seed is not None else int(self._rng.integers(2**63))
             for i, stream in enumerate(row_streams(seed, request.n)):
-                rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream, (pending, i)))
+                matcher = request.constraint.matcher() if request.constraint is not None else None
+                rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream,
+                                      (pending, i), matcher=matcher))  # fmt: skip
                 pending.rows.append(rows[-1])
                 pending.reported.append(0)
             running.append(pending)
@@ -379,7 +393,9 @@ class ContinuousBatcher:
 
         for row in done:
             pending, i = row.owner
-            if all(math.isfinite(x) for x in row.logprobs):
+            if row.error is not None:
+                rollout = Rollout(0, i, "", row.prompt_ids, [], "", [], False, row.error)
+            elif all(math.isfinite(x) for x in row.logprobs):
                 rollout = Rollout(0, i, "", row.prompt_ids, row.tokens, "", row.logprobs, row.finished)
             else:
                 rollout = Rollout(0, i, "", row.prompt_ids, [], "", [], False, "non-finite log-prob")

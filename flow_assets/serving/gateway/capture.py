@@ -23,6 +23,14 @@ still lands: outcome
 ``success: false, score: 0`` and ``metadata.error = {"kind", "message"}``, with every turn it
 made. Nothing the gateway sampled is dropped.
 
+A turn sampled under a constraint (``response_format`` or a ``tool_choice`` that forces a call,
+:mod:`flow_assets.policy.constrained`) says so in :attr:`Choice.constrained`, and the trajectory
+lists those turns in ``metadata.constrained_turns`` (``{"turn", "constraint"}``). Their
+``logprobs`` are of the MASKED distribution that sampled the tokens (renormalised over the tokens
+the grammar allowed), not of the policy's own distribution: a trainer must treat such a turn
+accordingly (e.g. recompute the behaviour log-probs under the same mask, or leave the turn out of
+the importance ratio); none of flowopt's trainers reads the mask today.
+
 A streamed call whose client disconnected before the stream ended is recorded with
 ``delivered=False``: the agent never acted on it, so it is no step (never trained); the
 trajectory's ``metadata.undelivered_turns`` counts its tokens.
@@ -53,6 +61,11 @@ class Choice:
         tool_calls: OpenAI ``tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments``).
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         tool_call_error: why an attempted tool call did not parse (then the text is the content).
+        constrained: what constrained the sampling (``"json_schema"``, ``"json_object"``,
+            ``"tool_choice:required"``, ``"tool_choice:function"``), ``None`` when nothing did.
+            The ``logprobs`` of a constrained choice are of the masked, renormalised distribution
+            that actually sampled it, not of the policy's own: trainers must not take them as the
+            policy's behaviour log-probs without the mask (module docstring).
     """
 
     completion_ids: list[int]
@@ -62,6 +75,7 @@ class Choice:
     tool_calls: list[dict[str, Any]]
     finish_reason: str
     tool_call_error: str | None = None
+    constrained: str | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +233,16 @@ def tool_call_errors(turns: list[Turn]) -> list[dict[str, Any]]:
     ]
 
 
+def constrained_turns(turns: list[Turn]) -> list[dict[str, Any]]:
+    """``{"turn", "constraint"}`` for every turn whose (chosen) completion was sampled under a
+    constraint (:attr:`Choice.constrained`); ``turn`` counts LLM calls from 0."""
+    return [
+        {"turn": k, "constraint": choice.constrained}
+        for k, turn in enumerate(turns)
+        if (choice := _chosen(turn, turns[k + 1] if k + 1 < len(turns) else None)).constrained
+    ]
+
+
 def _first_user_message(turns: list[Turn]) -> str:
     for turn in turns[:1]:
         for m in turn.messages:
@@ -264,6 +288,8 @@ def build_trajectory(
     }
     if errors := tool_call_errors(turns):
         meta["tool_call_errors"] = errors
+    if constrained := constrained_turns(turns):
+        meta["constrained_turns"] = constrained
     if undelivered := [t for t in rollout.turns if not t.delivered]:
         meta["undelivered_turns"] = [
             {"prompt_tokens": len(t.prompt_ids), "completion_tokens": sum(len(c.completion_ids) for c in t.choices),

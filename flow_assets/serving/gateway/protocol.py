@@ -90,9 +90,12 @@ class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` (``stream: true``: Server-Sent Events,
     :mod:`flow_assets.serving.gateway.streaming`).
 
-    ``tool_choice`` is recorded but not enforced: the policy decides whether to call a tool
-    (``"none"`` does stop the gateway from parsing calls). ``top_logprobs`` is accepted; the
-    returned ``top_logprobs`` lists are empty (the sampled token's log-prob is exact).
+    ``tool_choice`` ``"required"`` or ``{"type": "function", "function": {"name"}}`` and
+    ``response_format`` ``json_object`` / ``json_schema`` are enforced by constrained decoding
+    (:mod:`flow_assets.policy.constrained`; one call or more with ``parallel_tool_calls``, the
+    default); ``"auto"`` leaves the choice to the policy and ``"none"`` stops the gateway from
+    parsing calls. ``top_logprobs`` is accepted; the returned ``top_logprobs`` lists are empty
+    (the sampled token's log-prob is exact).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -100,6 +103,8 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
@@ -113,7 +118,36 @@ class ChatCompletionRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: dict[str, Any] | None = None  # accepted, not enforced yet (Responses' text.format maps to it)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        # OpenAI's shapes: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+        if isinstance(value, dict):
+            function = value.get("function")
+            if value.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': <a tool's name>}}")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # OpenAI's shapes: {"type": "text"} | {"type": "json_object"} |
+        # {"type": "json_schema", "json_schema": {"name", "description"?, "schema"?, "strict"?}}
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise ValueError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
+            if "schema" in spec and not isinstance(spec["schema"], dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,207 @@
+"""tool_choice and response_format enforced by constrained decoding, over real HTTP with the
+official ``openai`` client against the real gateway on the tiny models."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from flow_assets.logs.schema import Trajectory
+from flow_assets.policy.store import PolicyStore
+from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.serve import serve_policy
+from flow_assets.tasks.calculator import CALCULATOR_TOOL
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city over the next days.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [CALCULATOR_TOOL, WEATHER_TOOL]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+TRIP = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "direct": {"type": "boolean"},
+    },
+    "required": ["city", "days", "direct"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def fresh_server(fresh_policy_dir, tmp_path_factory):
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path_factory.mktemp("landing")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def calculator_server(calculator_policy_dir, tmp_path_factory):
+    with serve_policy(PolicyStore(str(calculator_policy_dir)), tmp_path_factory.mktemp("landing")) as server:
+        yield server
+
+
+async def _many(url: str, bodies: list[dict]) -> list:
+    """The chat completions of ``bodies``, sent at once (they decode in one running batch)."""
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x") as client:
+        return await asyncio.gather(*(client.chat.completions.create(**b) for b in bodies))
+
+
+def _calls(choice) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+
+
+def test_tool_choice_required_makes_every_sample_a_valid_call_of_an_offered_tool(calculator_server):
+    prompts = ["874*59", "hello", "what is the weather", "12*(3+4)", "ok"]
+    bodies = [
+        {"model": "policy", "messages": [{"role": "user", "content": p}], "tools": TOOLS, "tool_choice": "required",
+         "temperature": 1.0, "n": 10, "seed": seed, "max_tokens": 64}
+        for seed, p in enumerate(prompts)
+    ]  # fmt: skip
+    choices = [c for r in asyncio.run(_many(calculator_server.url, bodies)) for c in r.choices]
+    assert len(choices) == 50  # 5 requests x n=10, sampled at T = 1
+    for choice in choices:
+        calls = _calls(choice)
+        assert choice.finish_reason == "tool_calls" and calls, choice.message.content
+        assert choice.message.content is None  # the completion is the call(s), nothing else
+        for name, arguments in calls:
+            jsonschema.validate(arguments, PARAMETERS[name])
+    # unconstrained, the same policy answers "hello" with text: the call was the constraint's doing
+    plain = asyncio.run(_many(calculator_server.url, [{**bodies[1], "tool_choice": "auto"}]))[0]
+    assert any(not c.message.tool_calls for c in plain.choices)
+
+
+def test_a_named_tool_choice_calls_that_tool_streamed_or_not_and_the_turn_is_captured_as_constrained(fresh_server):
+    url = fresh_server.url
+    httpx.post(f"{url}/rollouts", json={"rollout_id": "named", "task_id": "t", "batch": "named"})
+    client = openai.OpenAI(base_url=f"{url}/rollouts/named/v1", api_key="x")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "874*59"}], "tools": TOOLS, "seed": 5,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False,
+            "temperature": 1.0, "max_tokens": 100, "logprobs": True}  # fmt: skip
+    reply = client.chat.completions.create(**body, n=8)
+    for choice in reply.choices:
+        ((name, arguments),) = _calls(choice)
+        assert name == "get_weather" and choice.finish_reason == "tool_calls"
+        jsonschema.validate(arguments, PARAMETERS["get_weather"])
+        logprobs = [t.logprob for t in choice.logprobs.content]
+        # the prefix '@get_weather(' is the only text the grammar allows: each of its tokens had
+        # probability 1 under the masked distribution, as did the end once the call was closed
+        forced = len("@get_weather(")
+        assert logprobs[:forced] == [0.0] * forced and logprobs[-1] == 0.0
+        assert all(lp <= 0.0 for lp in logprobs) and any(lp < 0.0 for lp in logprobs)
+    streamed = list(client.chat.completions.create(**body, stream=True))
+    calls = [tc for c in streamed for tc in c.choices[0].delta.tool_calls or []] if streamed else []
+    assert calls[0].function.name == "get_weather" and streamed[-1].choices[0].finish_reason == "tool_calls"
+    assert json.loads(calls[1].function.arguments) == json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
+    httpx.post(f"{url}/rollouts/named/finish", json={"score": 1.0})
+    path = httpx.post(f"{url}/batches/named/close").json()["path"]
+    (trajectory,) = [Trajectory.model_validate_json(line) for line in Path(path).read_text().splitlines()]
+    assert trajectory.metadata["constrained_turns"] == [{"turn": k, "constraint": "tool_choice:function"} for k in (0, 1)]
+    assert trajectory.steps[0].kind == "tool" and trajectory.steps[0].tool == "get_weather"
+
+
+def test_json_schema_makes_every_sample_valid_json_of_the_schema_and_leaves_unconstrained_rows_alone(fresh_server):
+    url = fresh_server.url
+    plain = {"model": "policy", "messages": [{"role": "user", "content": "ab"}], "seed": 11, "max_tokens": 40, "logprobs": True}
+    alone = asyncio.run(_many(url, [plain]))[0]
+    constrained = [
+        {"model": "policy", "messages": [{"role": "user", "content": f"trip {k}"}], "response_format": RESPONSE_FORMAT,
+         "temperature": 1.0, "n": 10, "seed": k, "max_tokens": 64}
+        for k in range(5)
+    ]  # fmt: skip
+    together, *replies = asyncio.run(_many(url, [plain, *constrained]))
+    choices = [c for r in replies for c in r.choices]
+    assert len(choices) == 50
+    for choice in choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), TRIP)
+    # a seeded unconstrained call samples the same tokens with the same log-probs whether or not
+    # constrained rows decode beside it
+    tokens = [[(t.token, t.logprob) for t in r.choices[0].logprobs.content] for r in (alone, together)]
+    assert tokens[0] == tokens[1] and alone.choices[0].message.content == together.choices[0].message.content
+    # any JSON object; a random model's strings may run to max_tokens, every completion that ended did so as an object
+    objects = asyncio.run(_many(url, [{**constrained[0], "response_format": {"type": "json_object"}}]))[0].choices
+    ended = [json.loads(c.message.content) for c in objects if c.finish_reason == "stop"]
+    assert ended and all(isinstance(o, dict) for o in ended)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": TRIP}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format.json_schema.schema"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools offered
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "9lives"}}], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_enforced_is_a_400_naming_the_field(fresh_server, extra, param):
+    client = openai.OpenAI(base_url=fresh_server.url + "/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "a"}], max_tokens=4, **extra)
+    assert refused.value.param == param
+
+
+def test_the_dynamic_batcher_refuses_constraints_with_a_400(fresh_policy_dir, tmp_path):
+    with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path, config=GatewayConfig(continuous=False)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "a"}], response_format={"type": "json_object"})
+        assert refused.value.param == "response_format" and "not enforced" in refused.value.message
+        # unconstrained calls are served as ever
+        assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "a"}], max_tokens=4).choices
+
+
+@pytest.mark.parametrize("fmt", ["compact", "hermes"])
+def test_random_walks_through_either_call_grammar_parse_as_valid_calls(fmt):
+    """The grammar of each call syntax, walked by drawing uniformly among the tokens its mask
+    allows (a policy that knows nothing), only yields text the gateway's parser reads as valid
+    calls: the hermes syntax has no tiny model to serve it."""
+    import numpy as np
+
+    from flow_assets.policy.constrained import ConstraintCompiler, allowed_tokens
+    from flow_assets.policy.tokenizer import build_char_tokenizer
+    from flow_assets.policy.tool_calls import parse_tool_calls
+
+    tokenizer = build_char_tokenizer()
+    no_arguments = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+    tools = [WEATHER_TOOL, no_arguments]
+    constraint = ConstraintCompiler(tokenizer, len(tokenizer), fmt).tool_choice("required", tools)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(20):
+        matcher, ids = constraint.matcher(), []
+        while not matcher.is_stopped():
+            allowed = np.flatnonzero(allowed_tokens([matcher], len(tokenizer))[0])
+            token = int(rng.choice(allowed))
+            if token == tokenizer.eos_token_id:
+                break
+            assert matcher.consume_token(token)
+            ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        parsed = parse_tool_calls(text, fmt, tools)
+        assert parsed.error is None and parsed.tool_calls and parsed.content is None, text
+        for call in parsed.tool_calls:
+            seen.add(call.name)
+            if call.name == "get_weather":
+                jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
+    assert seen == {"get_weather", "now"}
