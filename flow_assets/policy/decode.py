@@ -240,11 +240,12 @@ class RowDecoder:
         row.tokens.append(token)
         row.logprobs.append(logprob)
         row.finished = token == self.eos
-        if row.matcher is not None and not row.finished:
-            if not row.matcher.consume_token(token):
-                row.error = f"constrained decoding failed: {row.matcher.get_error().splitlines()[0]}"
+        if row.matcher is not None:
+            # an end drawn from an empty mask (a matcher in an error state) is an error, not an end
+            if (not row.finished and not row.matcher.consume_token(token)) or row.matcher.is_error():
+                row.error = f"constrained decoding failed: {(row.matcher.get_error() or 'no token allowed').splitlines()[0]}"
                 return True
-            if row.matcher.is_stopped():
+            if not row.finished and row.matcher.is_stopped():
                 row.finished = True
                 if len(row.tokens) < row.max_tokens:
                     row.tokens.append(self.eos)

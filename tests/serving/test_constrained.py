@@ -130,14 +130,52 @@ def test_json_schema_makes_every_sample_valid_json_of_the_schema_and_leaves_unco
     for choice in choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), TRIP)
-    # a seeded unconstrained call samples the same tokens with the same log-probs whether or not
-    # constrained rows decode beside it
-    tokens = [[(t.token, t.logprob) for t in r.choices[0].logprobs.content] for r in (alone, together)]
-    assert tokens[0] == tokens[1] and alone.choices[0].message.content == together.choices[0].message.content
+    # a seeded unconstrained call samples the same tokens whether or not constrained rows decode
+    # beside it (its log-probs agree up to the float rounding of the batch's shape, as for any batch;
+    # bit for bit in the same shape: the test below)
+    (a,), (b,) = alone.choices, together.choices
+    assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content] and a.message.content == b.message.content
+    assert [t.logprob for t in a.logprobs.content] == pytest.approx([t.logprob for t in b.logprobs.content], abs=1e-4)
     # any JSON object; a random model's strings may run to max_tokens, every completion that ended did so as an object
     objects = asyncio.run(_many(url, [{**constrained[0], "response_format": {"type": "json_object"}}]))[0].choices
     ended = [json.loads(c.message.content) for c in objects if c.finish_reason == "stop"]
     assert ended and all(isinstance(o, dict) for o in ended)
+
+
+def test_a_constrained_row_leaves_the_unconstrained_rows_of_its_batch_bit_for_bit_as_they_were(fresh_policy_dir):
+    """The decoder with one constrained row beside unconstrained ones, against the same batch with
+    that row unconstrained and cut where the constrained one ended (so every step has the same
+    shape): the unconstrained rows' tokens and log-probs are identical to the bit."""
+    from flow_assets.policy.chat import render_prompt
+    from flow_assets.policy.constrained import ConstraintCompiler
+    from flow_assets.policy.decode import DecodeRow, RowDecoder, row_streams
+
+    store = PolicyStore(str(fresh_policy_dir))
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    constraint = ConstraintCompiler(tokenizer, model.config.vocab_size, "compact").response_format(RESPONSE_FORMAT)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": c}])[1] for c in ("ab", "trip", "xyz")]
+
+    def decode(matcher, cut: int = 60) -> list[DecodeRow]:
+        streams = row_streams(3, 3)
+        rows = [DecodeRow(list(p), 1.0, 1.0, cut if k == 1 else 60, s, matcher=matcher if k == 1 else None)
+                for k, (p, s) in enumerate(zip(prompts, streams))]  # fmt: skip
+        # no token ends a row (eos -1): the plain row 1 of the second run cannot end before the
+        # step its constrained twin ended on, and rows 0 and 2 run to 60 in both
+        decoder = RowDecoder(model, -1, tokenizer.pad_token_id)
+        decoder.add(rows)
+        while decoder.size:
+            decoder.step()
+        return rows
+
+    constrained = decode(constraint.matcher())
+    json_text = tokenizer.decode(constrained[1].tokens[:-1])
+    jsonschema.validate(json.loads(json_text), TRIP)
+    # the constrained row ended on the step that sampled its closing "}" (the end appended with it)
+    assert constrained[1].finished and constrained[1].tokens[-1] == -1 and constrained[1].logprobs[-1] == 0.0
+    plain = decode(None, cut=len(constrained[1].tokens) - 1)
+    assert plain[1].tokens != constrained[1].tokens  # the constraint did change that row
+    for k in (0, 2):
+        assert (plain[k].tokens, plain[k].logprobs) == (constrained[k].tokens, constrained[k].logprobs)
 
 
 @pytest.mark.parametrize(
