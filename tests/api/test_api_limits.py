@@ -12,12 +12,10 @@ reported cancelled.
   sensor's own decision.
 """
 
-import contextlib
 import json
 import socket
 import threading
 import uuid
-from pathlib import Path
 
 import httpx
 import polars as pl

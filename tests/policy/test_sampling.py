@@ -155,7 +155,7 @@ def test_sampling_in_threads_leaves_the_process_environment_alone(tmp_path):
     import threading
 
     model, tok = load_policy(_gqa_policy(tmp_path / "gqa"))
-    before, errors, done = dict(os.environ), [], threading.Event()
+    before, errors = dict(os.environ), []
 
     def sampler(seed):
         try:
