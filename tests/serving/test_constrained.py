@@ -243,3 +243,25 @@ def test_random_walks_through_either_call_grammar_parse_as_valid_calls(fmt):
             if call.name == "get_weather":
                 jsonschema.validate(json.loads(call.arguments), PARAMETERS["get_weather"])
     assert seen == {"get_weather", "now"}
+
+
+@pytest.mark.parametrize("fmt", ["compact", "hermes"])
+def test_a_forced_call_admits_only_the_declared_arguments(fmt):
+    """An object schema that does not say otherwise is closed (``additionalProperties: false``,
+    as OpenAI's strict mode): a forced call can end after its declared keys but cannot add one."""
+    from flow_assets.policy.constrained import ConstraintCompiler
+    from flow_assets.policy.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    open_schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": open_schema}}
+    constraint = ConstraintCompiler(tokenizer, len(tokenizer), fmt).tool_choice("required", [tool], parallel=False)
+    wrap = ("@get_weather(", ")") if fmt == "compact" else ('<tool_call>{"name": "get_weather", "arguments": ', "}</tool_call>")
+
+    def accepted(arguments: str) -> bool:
+        matcher = constraint.matcher()
+        ids = tokenizer(wrap[0] + arguments + wrap[1], add_special_tokens=False)["input_ids"]
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    assert accepted('{"city": "Oslo"}')
+    assert not accepted('{"city": "Oslo", "units": "metric"}')
