@@ -40,7 +40,12 @@ def training_samples(steps: pl.DataFrame, step_advantages: pl.DataFrame, traject
 
     Returns:
         One sample per turn, in table order; steps without prompt or completion ids, or without
-        an advantage, are left out. A turn without a logged temperature is read as T = 1.
+        an advantage, are left out. A turn without a logged temperature is read as T = 1. A turn
+        the gateway sampled under a constraint (``tool_choice`` / ``response_format``, listed in
+        the trajectory's ``metadata.constrained_turns``) has ``behaviour_logprobs`` ``None``: its
+        logged log-probs are of the masked distribution, not of the policy the ratio compares
+        with, so the trainer takes it at ratio 1 (the on-policy gradient of the unmasked policy
+        at those tokens) rather than with a ratio that starts below 1 (:func:`constrained_steps`).
     """
     rows = (
         steps.filter(pl.col("token_ids").is_not_null() & pl.col("prompt_token_ids").is_not_null())
@@ -48,19 +53,49 @@ def training_samples(steps: pl.DataFrame, step_advantages: pl.DataFrame, traject
         .filter(pl.col("agent_id") == agent_id)
         .join(step_advantages.select("trajectory_id", "index", "advantage"), on=["trajectory_id", "index"], maintain_order="left")
         .filter(pl.col("advantage").is_not_null())
-        .select("prompt_token_ids", "token_ids", "advantage", "logprobs", "task_id", "temperature")
+        .select("trajectory_id", "index", "prompt_token_ids", "token_ids", "advantage", "logprobs", "task_id", "temperature")
     )
+    masked = constrained_steps(steps, trajectories) if "metadata" in trajectories.columns else set()
     return [
         TrainingSample(
             prompt_ids=list(prompt),
             completion_ids=list(tokens),
             advantage=float(advantage),
-            behaviour_logprobs=list(logprobs) if logprobs is not None else None,
+            behaviour_logprobs=list(logprobs) if logprobs is not None and (trajectory_id, index) not in masked else None,
             task_id=task_id,
             temperature=1.0 if temperature is None else float(temperature),
         )
-        for prompt, tokens, advantage, logprobs, task_id, temperature in rows.iter_rows()
+        for trajectory_id, index, prompt, tokens, advantage, logprobs, task_id, temperature in rows.iter_rows()
     ]
+
+
+def constrained_steps(steps: pl.DataFrame, trajectories: pl.DataFrame) -> set[tuple[str, int]]:
+    """``(trajectory_id, step index)`` of the turns sampled under a constraint.
+
+    The gateway lists them in ``metadata.constrained_turns`` as ``{"turn": k, ...}``, ``k``
+    counting the trajectory's LLM calls from 0; the ``k``-th step carrying ``token_ids`` (in step
+    order) is that call.
+
+    Args:
+        steps: ``trajectory_id, index, token_ids``.
+        trajectories: ``trajectory_id, metadata`` (JSON text).
+
+    Raises:
+        orjson.JSONDecodeError: a metadata text that names ``constrained_turns`` but is not JSON.
+    """
+    listed = trajectories.filter(pl.col("metadata").str.contains("constrained_turns", literal=True))
+    turns = {
+        trajectory_id: {int(t["turn"]) for t in orjson.loads(meta).get("constrained_turns") or []}
+        for trajectory_id, meta in listed.select("trajectory_id", "metadata").iter_rows()
+    }
+    if not any(turns.values()):
+        return set()
+    calls = (
+        steps.filter(pl.col("trajectory_id").is_in(list(turns)) & pl.col("token_ids").is_not_null())
+        .sort("trajectory_id", "index")
+        .with_columns(turn=pl.int_range(pl.len()).over("trajectory_id"))
+    )
+    return {(t, int(i)) for t, i, k in calls.select("trajectory_id", "index", "turn").iter_rows() if k in turns[t]}
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ A turn sampled under a constraint (``response_format`` or a ``tool_choice`` that
 :mod:`flow_assets.policy.constrained`) says so in :attr:`Choice.constrained`, and the trajectory
 lists those turns in ``metadata.constrained_turns`` (``{"turn", "constraint"}``). Their
 ``logprobs`` are of the MASKED distribution that sampled the tokens (renormalised over the tokens
-the grammar allowed), not of the policy's own distribution: a trainer must treat such a turn
-accordingly (e.g. recompute the behaviour log-probs under the same mask, or leave the turn out of
-the importance ratio); none of flowopt's trainers reads the mask today.
+the grammar allowed), not of the policy's own distribution. Rounds therefore train such a turn
+without them (:func:`flow_assets.policy.rollouts.training_samples`: ratio 1, the on-policy
+gradient of the unmasked policy at those tokens); recomputing the behaviour log-probs under the
+same mask would keep the ratio exact, and is not done.
 
 A streamed call whose client disconnected before the stream ended is recorded with
 ``delivered=False``: the agent never acted on it, so it is no step (never trained); the
