@@ -116,17 +116,24 @@ def agents_8_vs_1(store, pairs: int) -> dict:
             "meets_goal": r <= 1.3, "llm_calls_per_rollout": {str(k): sum(v) / len(v) for k, v in calls.items()}}  # fmt: skip
 
 
+async def _clients(stack: contextlib.AsyncExitStack, url: str, count: int) -> list[openai.AsyncOpenAI]:
+    """``count`` agents' own clients (one HTTP connection pool each, one TLS context shared),
+    closed with ``stack``."""
+    tls = ssl.create_default_context()
+    clients = []
+    for _ in range(count):
+        http = await stack.enter_async_context(httpx2.AsyncClient(verify=tls))
+        clients.append(openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0))
+    return clients
+
+
 async def _concurrent_calls(url: str, prompts: list[str], calls_each: int, max_tokens: int) -> float:
     """``len(prompts)`` clients calling at once, each ``calls_each`` times in sequence; wall
     seconds of the calls. The clock starts once every client exists: building them (a TLS context,
     ~20 ms on 2 cores, and ~1 ms per client) is the clients' cost, not the gateway's, as loading
     the model is not timed in process."""
-    tls = ssl.create_default_context()
     async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        for _ in prompts:
-            http = await stack.enter_async_context(httpx2.AsyncClient(verify=tls))
-            clients.append(openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0))
+        clients = await _clients(stack, url, len(prompts))
 
         async def agent(client: openai.AsyncOpenAI, prompt: str) -> None:
             for _ in range(calls_each):
@@ -167,12 +174,8 @@ def overhead(store, repeats: int) -> dict:
 async def _timed_calls(url: str, prompts: list[str], max_tokens: int, stream: bool) -> list[tuple[float, float]]:
     """One call per prompt, all at once: ``(seconds to the first content token, seconds to the
     last)`` per call, from when the calls start."""
-    tls = ssl.create_default_context()
     async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        for _ in prompts:
-            http = await stack.enter_async_context(httpx2.AsyncClient(verify=tls))
-            clients.append(openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0))
+        clients = await _clients(stack, url, len(prompts))
 
         async def call(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, float]:
             kwargs = dict(model="policy", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
