@@ -386,14 +386,18 @@ class RowDecoder:
                 if self._record(r, token, lp):
                     done.append(r)
                     self.rows[i] = None
-            self.live -= len(done)
-            if not self.live:
-                self._empty()
-            elif 4 * (len(self.rows) - self.live) >= len(self.rows):
-                # rows that are done leave the cache when they are a quarter of it (or at the next
-                # merge): dropping them copies every row's keys and values, decoding them is cheap
-                self._keep([i for i, r in enumerate(self.rows) if r is not None])
+            self._retire(len(done))
             return done
+
+    def _retire(self, count: int) -> None:
+        """``count`` rows were just set to ``None`` in :attr:`rows`: account for them."""
+        self.live -= count
+        if not self.live:
+            self._empty()
+        elif count and 4 * (len(self.rows) - self.live) >= len(self.rows):
+            # rows that are done leave the cache when they are a quarter of it (or at the next
+            # merge): dropping them copies every row's keys and values, decoding them is cheap
+            self._keep([i for i, r in enumerate(self.rows) if r is not None])
 
     def stop(self, rows: Sequence[DecodeRow]) -> list[DecodeRow]:
         """End ``rows`` now (their caller went away): they keep the tokens sampled so far, are
@@ -408,11 +412,8 @@ class RowDecoder:
             if r is not None and id(r) in wanted:
                 stopped.append(r)
                 self.rows[i] = None
-        self.live -= len(stopped)
-        if stopped and not self.live:
-            self._empty()
-        elif stopped and 4 * (len(self.rows) - self.live) >= len(self.rows):
-            self._keep([i for i, r in enumerate(self.rows) if r is not None])
+        if stopped:
+            self._retire(len(stopped))
         return stopped
 
     def _keep(self, keep: list[int]) -> None:

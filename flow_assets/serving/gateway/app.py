@@ -176,8 +176,7 @@ class Gateway:
                 ``tool_choice`` that forces a call, a backend without per-token decoding (vLLM,
                 the dynamic batcher), or a grammar that cannot be enforced (the compiler's errors).
         """
-        forces_call = req.tool_choice not in (None, "none", "auto")
-        formats = bool(req.response_format) and req.response_format.get("type") != "text"
+        forces_call, formats = req.forces_call, req.formats
         if not (forces_call or formats):
             return None
         param = "tool_choice" if forces_call else "response_format"
@@ -476,7 +475,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     async def _render(call: _Call):
         """Render and tokenise the call's prompt and build its sampling work (or an error response)."""
         req, context = call.req, gateway.engine.max_positions
-        if req.tool_choice not in (None, "none", "auto") or req.response_format:
+        if req.forces_call or req.formats:
             try:
                 # compiling a grammar (and, once, reading the tokenizer) takes milliseconds to a second
                 call.constraint = await asyncio.to_thread(gateway.constraint, req, call.tools)

@@ -422,8 +422,6 @@ class RolloutRecorder:
                     setattr(rollout.settings, name, value)
             if not any(t.delivered for t in rollout.turns) and error is None:
                 error = {"kind": "no_llm_call", "message": "the rollout finished without calling the model"}
-            if outcome is None and error is None and not unlabelled:
-                outcome = Outcome(success=False, score=0.0)
             trajectory = build_trajectory(rollout, outcome, final_answer, metadata, error)
             del self._open[rollout_id]
             self._finished.add(rollout_id)

@@ -119,6 +119,16 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @property
+    def forces_call(self) -> bool:
+        """``tool_choice`` is ``"required"`` or names a tool (the completion must be a call)."""
+        return self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def formats(self) -> bool:
+        """``response_format`` asks for JSON (``json_object`` / ``json_schema``)."""
+        return bool(self.response_format) and self.response_format.get("type") != "text"
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
