@@ -23,6 +23,10 @@ ui: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
 endif
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
 TORCH_SPEC ?= torch==2.13.0
+# the suite in one process per core, a test file per worker (its module fixtures built once);
+# most of the suite's time is waiting on daemons, servers and subprocesses, not CPU
+# (docs/development.md). PYTEST_PARALLEL= runs it in one process.
+PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
 .PHONY: install demo demo-real demo-logs test ui bench clean
 
@@ -54,7 +58,7 @@ test: install
 	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \
 	  $(BIN)/dagster definitions validate -w workspace.yaml; status=$$?; rm -rf $$DAGSTER_HOME; exit $$status
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_PARALLEL)
 
 ui: install
 	home="$${DAGSTER_HOME:-$$($(BIN)/python -m flow_assets.settings dagster_home)}" && test -n "$$home" && \
