@@ -128,7 +128,7 @@ BUDGET_WATCH = 16
 #: choice points one :func:`find_closing` search may visit before it gives up
 CLOSING_SEARCH_NODES = 64
 #: most tokens of the completion searched from a grammar's start (:attr:`Constraint.start`)
-START_CLOSING_LIMIT = 4096
+START_CLOSING_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,9 @@ def find_closing(matcher: Any, bytes_: ByteTokens, limit: int, max_nodes: int = 
             return None
         forced = matcher.compute_ff_tokens()
         if forced:
-            if len(path) + len(forced) > limit or not matcher.consume_tokens(forced):
+            taken = 0 if len(path) + len(forced) > limit else matcher.try_consume_tokens(forced)
+            if taken < len(forced):
+                matcher.rollback(taken)
                 return None
             path.extend(forced)
             try:
@@ -258,12 +260,12 @@ def find_closing(matcher: Any, bytes_: ByteTokens, limit: int, max_nodes: int = 
         allowed = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1) == 1].tolist()
         changing, same = [], []
         for token in bytes_.preferred:
-            if token in allowed and matcher.consume_token(token):
+            if token in allowed and matcher.try_consume_tokens([token]) == 1:
                 (changing if _signature(matcher) != here else same).append(token)
                 matcher.rollback(1)
         tried = set(changing + same)
         for token in changing + same + [t for t in allowed if t not in tried]:
-            if not matcher.consume_token(token):
+            if matcher.try_consume_tokens([token]) != 1:  # (never puts the matcher in an error state)
                 continue
             path.append(token)
             try:
@@ -275,7 +277,10 @@ def find_closing(matcher: Any, bytes_: ByteTokens, limit: int, max_nodes: int = 
                 return found
         return None
 
-    found = search()
+    try:
+        found = search()
+    except RecursionError:  # a completion longer than Python's stack: none found
+        return None
     if found is None or len(found.tokens) < 2:
         return found
     retokenized = tuple(bytes_.tokenizer.tokenize_bytes(bytes_.tokenizer.decode_bytes(list(found.tokens))))
