@@ -267,12 +267,13 @@ class RowDecoder:
         the budget's next closing token is the only one left. ``logits`` and ``token`` are
         updated in place, so the log-prob is that of the distribution of the last draw."""
         remaining = row.max_tokens - len(row.tokens) - 1  # after this token
-        for _ in range(row.budget.REDRAWS):
+        for redraw in range(row.budget.REDRAWS + 1):
             drawn = int(token[i, 0])
             if row.budget.accept(row.matcher, drawn, remaining, self.eos):
                 return
             logits[i, drawn] = -math.inf
-            token[i] = draw_tokens(logits[i : i + 1], greedy[i : i + 1], scale[i : i + 1], top_ps[i : i + 1], u[i : i + 1], nucleus)[0]
+            if redraw < row.budget.REDRAWS:
+                token[i] = draw_tokens(logits[i : i + 1], greedy[i : i + 1], scale[i : i + 1], top_ps[i : i + 1], u[i : i + 1], nucleus)[0]
         forced = row.budget.closing.first(self.eos)
         keep = logits[i, forced].clone()
         logits[i] = -math.inf
