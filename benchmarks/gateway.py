@@ -26,7 +26,9 @@
 6. ``constrained``: the per-token cost of constrained decoding (``response_format`` /
    ``tool_choice``, :mod:`flow_assets.policy.constrained`) on the tiny model: 8 rows decoded by
    the continuous decoder to at most 48 tokens, each constrained to a small JSON schema (an
-   llguidance mask before every draw, the token fed to the matcher after it) against the same
+   llguidance mask before every draw, the token fed to the matcher after it, and the row's
+   closing budget as the gateway gives it: the schema's shortest object is 45 characters, so the
+   budget works at every step of these rows, its worst case) against the same
    rows unconstrained, decoded to their cap (no end token: a random model's rows would otherwise
    end at random, and rows that ended still ride along until they are dropped, which would charge
    the unconstrained run for tokens it never samples); milliseconds per sampled token (wall time
@@ -242,7 +244,8 @@ def constrained_cost(store, repeats: int) -> dict:
     def once(constrained: bool, seed: int) -> tuple[float, int, int]:
         # unconstrained: no token ends a row (eos -1), so every row runs to the cap (module docstring)
         decoder = RowDecoder(model, tokenizer.eos_token_id if constrained else -1, tokenizer.pad_token_id)
-        rows = [DecodeRow(list(p), 1.0, 1.0, CONSTRAINED_TOKENS, s, matcher=constraint.matcher() if constrained else None)
+        rows = [DecodeRow(list(p), 1.0, 1.0, CONSTRAINED_TOKENS, s, matcher=constraint.matcher() if constrained else None,
+                          budget=constraint.budget() if constrained else None)
                 for p, s in zip(prompts, row_streams(seed, len(prompts)))]  # fmt: skip
         started, steps = time.perf_counter(), 0
         decoder.add(rows)

@@ -39,6 +39,17 @@ for one, then writes runs of tabs and newlines until ``max_tokens`` cuts the JSO
 
 A tool whose name the syntax cannot carry (``compact`` names match ``[A-Za-z_][A-Za-z0-9_.-]*``)
 is refused (:class:`ConstraintError` naming ``tool_choice``).
+
+Closing within ``max_tokens``. A grammar does not make the text end in time: SmolLM2-135M at T = 1
+forced to call the calculator wrote ``expression`` strings until ``max_tokens`` cut the call (8
+of 50 at 64 tokens). Each row therefore gets a :class:`ClosingBudget`: near the end of its budget
+it keeps a completion of the grammar from where the row is (:func:`find_closing`: a search over
+the single-byte tokens the matcher allows, each step validated by the matcher, the result
+re-tokenized), and restricts the mask so that the row always still fits one; when the completion
+needs every token left, only its tokens are allowed. This uses only the matcher's own API
+(``compute_ff_tokens``, ``compute_bitmask``, ``consume_token`` / ``rollback``), so it is the same for
+both call syntaxes and for JSON; it knows no closer of any syntax beyond trying :data:`CLOSING_BYTES`
+first.
 """
 
 from __future__ import annotations
@@ -84,15 +95,302 @@ class Constraint:
             ``"json_object"``, ``"tool_choice:required"`` or ``"tool_choice:function"``.
         grammar: the llguidance grammar (its serialised JSON form).
         prototype: a matcher at the grammar's start, never advanced; rows get copies of it.
+        bytes_: the policy's single-byte tokens (:class:`ByteTokens`), what :func:`find_closing`
+            searches over.
+        start: a shortest-found completion of the whole grammar (:func:`find_closing` from the
+            start; ``None``: none found within :data:`CLOSING_SEARCH_NODES`).
     """
 
     kind: str
     grammar: str
     prototype: Any  # llguidance.LLMatcher
+    bytes_: ByteTokens | None = None
+    start: Closing | None = None
 
     def matcher(self) -> llguidance.LLMatcher:
         """A fresh matcher for one row (a copy of the compiled prototype: no recompilation)."""
         return self.prototype.deep_copy()
+
+    def budget(self) -> ClosingBudget | None:
+        """A fresh :class:`ClosingBudget` for one row (``None`` when no completion of the grammar
+        was found: such a row decodes as without one)."""
+        if self.bytes_ is None or self.start is None:
+            return None
+        return ClosingBudget(self.bytes_, self.start)
+
+
+#: closing bytes :func:`find_closing` tries first, in this order, before any other byte the grammar
+#: allows: what ends a bracket or a string, and the shortest JSON value
+CLOSING_BYTES = b')]}0"'
+#: the budget starts watching a row when its remaining tokens are at most this many more than the
+#: last completion found needs (:class:`ClosingBudget`)
+BUDGET_WATCH = 16
+#: choice points one :func:`find_closing` search may visit before it gives up
+CLOSING_SEARCH_NODES = 64
+#: most tokens of the completion searched from a grammar's start (:attr:`Constraint.start`)
+START_CLOSING_LIMIT = 512
+
+
+@dataclass(frozen=True)
+class ByteTokens:
+    """A tokenizer's tokens of exactly one byte, for :func:`find_closing`.
+
+    Attributes:
+        ids: ``[k]`` int64 token ids, ordered by their byte.
+        preferred: the ids of :data:`CLOSING_BYTES` that exist, in that order.
+        tokenizer: llguidance's view of the tokenizer (decodes and re-tokenizes a completion).
+    """
+
+    ids: np.ndarray
+    preferred: tuple[int, ...]
+    tokenizer: Any  # llguidance.LLTokenizer
+
+    @classmethod
+    def of(cls, tokenizer: llguidance.LLTokenizer) -> ByteTokens:
+        """The single-byte tokens of ``tokenizer``: for each byte value, the token it tokenizes to
+        alone if that token decodes to exactly that byte (byte-level BPE has all 256, a character
+        tokenizer its ASCII characters). Takes ~256 tokenizer calls."""
+        found: dict[int, int] = {}
+        for b in range(256):
+            try:
+                ids = tokenizer.tokenize_bytes(bytes([b]))
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if len(ids) == 1 and tokenizer.decode_bytes(ids) == bytes([b]):
+                found[b] = ids[0]
+        preferred = tuple(found[b] for b in CLOSING_BYTES if b in found)
+        return cls(np.array([found[b] for b in sorted(found)], dtype=np.int64), preferred, tokenizer)
+
+
+@dataclass(frozen=True)
+class Closing:
+    """A way to end a constrained completion from a matcher's current state.
+
+    Attributes:
+        tokens: the token ids to sample, in order.
+        end: whether an end token must follow them (the grammar is then complete but could go
+            on, e.g. another call); ``False``: the grammar is finished after them (its matcher
+            stops, and the decoder ends the row by itself).
+    """
+
+    tokens: tuple[int, ...]
+    end: bool
+
+    @property
+    def need(self) -> int:
+        """Tokens it takes: ``len(tokens) + end``."""
+        return len(self.tokens) + self.end
+
+    def first(self, end_token: int) -> int:
+        """The next token of it: ``tokens[0]``, or ``end_token`` when only the end is left.
+
+        Raises:
+            IndexError: nothing is left (``need == 0``).
+        """
+        if self.tokens:
+            return self.tokens[0]
+        if self.end:
+            return end_token
+        raise IndexError("an empty closing has no next token")
+
+    def advanced(self) -> Closing:
+        """It after its first token was sampled."""
+        return Closing(self.tokens[1:], self.end) if self.tokens else Closing((), False)
+
+
+def _signature(matcher: Any) -> tuple[bytes, bool]:
+    return matcher.compute_bitmask(), matcher.is_accepting()
+
+
+def find_closing(matcher: Any, bytes_: ByteTokens, limit: int, max_nodes: int = CLOSING_SEARCH_NODES) -> Closing | None:
+    """A short sequence of tokens that completes ``matcher``'s grammar from its current state in
+    at most ``limit`` tokens (the end token counted when one is needed), or ``None``.
+
+    Depth-first search over what the matcher allows, every step validated by the matcher: forced
+    tokens (:meth:`llguidance.LLMatcher.compute_ff_tokens`) are taken as they are; at a choice
+    point the single-byte tokens are tried in this order: those of :data:`CLOSING_BYTES` after
+    which the matcher's state visibly changes (its token mask or whether it accepts: a closing
+    quote in a string, a ``}`` that ends an object), the other ones of :data:`CLOSING_BYTES`
+    (a ``)`` that closes a nested parenthesis changes nothing visible), then every other allowed
+    single byte by byte value. The first completion found is kept (not necessarily the shortest;
+    it is a valid one), then re-tokenized as the tokenizer would write its text, which is kept
+    if the matcher accepts it and it is shorter (``"}}`` as one or two tokens, not three).
+
+    Args:
+        matcher: an llguidance ``LLMatcher`` (not in an error state). Left as it was: the search
+            consumes tokens and rolls them back.
+        bytes_: the tokenizer's single-byte tokens.
+        limit: most tokens, ``>= 0``.
+        max_nodes: most choice points visited (each costs ``len(CLOSING_BYTES) + 1`` token masks
+            at most); past it the search gives up.
+
+    Returns:
+        The :class:`Closing`, or ``None`` when none was found within ``limit`` and ``max_nodes``.
+    """
+    if matcher.is_error():
+        return None
+    path: list[int] = []
+    nodes = [0]
+
+    def search() -> Closing | None:
+        if matcher.is_stopped():
+            return Closing(tuple(path), False)
+        if matcher.is_accepting():
+            return Closing(tuple(path), True) if len(path) < limit else None
+        if len(path) >= limit:
+            return None
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            taken = 0 if len(path) + len(forced) > limit else matcher.try_consume_tokens(forced)
+            if taken < len(forced):
+                matcher.rollback(taken)
+                return None
+            path.extend(forced)
+            try:
+                return search()
+            finally:
+                del path[-len(forced) :]
+                matcher.rollback(len(forced))
+        nodes[0] += 1
+        if nodes[0] > max_nodes:
+            return None
+        here = _signature(matcher)
+        words = np.frombuffer(here[0], dtype="<u4")
+        ids = bytes_.ids
+        allowed = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1) == 1].tolist()
+        changing, same = [], []
+        for token in bytes_.preferred:
+            if token in allowed and matcher.try_consume_tokens([token]) == 1:
+                (changing if _signature(matcher) != here else same).append(token)
+                matcher.rollback(1)
+        tried = set(changing + same)
+        for token in changing + same + [t for t in allowed if t not in tried]:
+            if matcher.try_consume_tokens([token]) != 1:  # (never puts the matcher in an error state)
+                continue
+            path.append(token)
+            try:
+                found = search()
+            finally:
+                path.pop()
+                matcher.rollback(1)
+            if found is not None or nodes[0] > max_nodes:
+                return found
+        return None
+
+    try:
+        found = search()
+    except RecursionError:  # a completion longer than Python's stack: none found
+        return None
+    if found is None or len(found.tokens) < 2:
+        return found
+    retokenized = tuple(bytes_.tokenizer.tokenize_bytes(bytes_.tokenizer.decode_bytes(list(found.tokens))))
+    if len(retokenized) < len(found.tokens):
+        again = check_closing(matcher, Closing(retokenized, found.end))
+        if again is not None and again.need <= found.need:
+            return again
+    return found
+
+
+def check_closing(matcher: Any, closing: Closing) -> Closing | None:
+    """``closing``'s tokens as a completion from ``matcher``'s current state (which they may no
+    longer complete after the matcher took other tokens): the :class:`Closing` they make from
+    here (``end`` as the state after them needs), or ``None`` when they do not complete the
+    grammar. ``matcher`` is left as it was."""
+    tokens = list(closing.tokens)
+    taken = matcher.try_consume_tokens(tokens)
+    stopped, accepting = matcher.is_stopped(), matcher.is_accepting()
+    matcher.rollback(taken)
+    if taken < len(tokens) or not (stopped or accepting):
+        return None
+    return Closing(closing.tokens, not stopped)
+
+
+class ClosingBudget:
+    """Keeps a constrained row able to complete its grammar within its ``max_tokens``.
+
+    Without it a row decodes its grammar until ``max_tokens`` cuts it, e.g. inside a string the
+    policy never closes. With it the row always holds a :class:`Closing` (a way to complete from
+    where it is, validated by its matcher) whose ``need`` fits the tokens it has left, ``r``:
+
+    - before a draw (:meth:`forced`): when ``need == r``, the only token allowed is the closing's
+      next one (its log-prob is then 0), so the row ends in time;
+    - after a free draw (:meth:`accept`): a token that leaves no completion within ``r - 1``
+      tokens is refused (the decoder draws again without it, at most :data:`REDRAWS` times, then
+      forces the closing's next token). The closing is kept when the token is its next one or
+      its tokens still complete the grammar after the token (more text inside a string), else
+      searched again (:func:`find_closing`).
+
+    Cost: none while ``r > need + BUDGET_WATCH`` (``need`` of the last closing known; the closing
+    is then dropped at the first token off it, and searched again when the row comes within
+    :data:`BUDGET_WATCH` of it); within it, a check of the closing's tokens per token and a search
+    when they no longer complete. A row for which no completion fits ``r`` when it is searched
+    (``max_tokens`` below the shortest completion, or the completion grew by more than
+    :data:`BUDGET_WATCH` tokens while not watched) decodes as without a budget, and ends at
+    ``max_tokens`` (``finish_reason`` ``"length"``) unless it completes by itself.
+
+    Args:
+        bytes_: the tokenizer's single-byte tokens.
+        start: a completion from the matcher's start state (:attr:`Constraint.start`).
+    """
+
+    REDRAWS = 3
+
+    def __init__(self, bytes_: ByteTokens, start: Closing):
+        self.bytes_ = bytes_
+        self.closing: Closing | None = start  # valid from the row's current state; None: unknown
+        self.hint = start.need  # need of the last closing known
+        self.off = False  # no completion fitted: the row decodes as without a budget
+
+    def watching(self, remaining: int) -> bool:
+        """Whether a row with ``remaining`` tokens left is within :data:`BUDGET_WATCH` of its
+        last known completion (and the budget is on)."""
+        return not self.off and remaining <= self.hint + BUDGET_WATCH
+
+    def forced(self, matcher: Any, remaining: int, end_token: int) -> int | None:
+        """The token the row must sample next so that it completes within ``remaining`` tokens
+        (``>= 1``, including this one), or ``None`` when it may sample any token its matcher
+        allows. Searches a completion when the row comes within :data:`BUDGET_WATCH` of the
+        last one without knowing one from here; switches the budget off when none fits."""
+        if not self.watching(remaining):
+            return None
+        if self.closing is None:
+            self.closing = find_closing(matcher, self.bytes_, remaining)
+            if self.closing is None:
+                self.off = True
+                return None
+            self.hint = self.closing.need
+        if self.closing.need > remaining:
+            self.off, self.closing = True, None
+            return None
+        return self.closing.first(end_token) if self.closing.need == remaining else None
+
+    def accept(self, matcher: Any, token: int, remaining: int, end_token: int) -> bool:
+        """Whether the row may take ``token`` (drawn freely, not yet consumed by ``matcher``) and
+        still complete within the ``remaining`` tokens after it; keeps the closing from the state
+        after it. The end token is always accepted (the matcher allows it only when its grammar
+        is complete)."""
+        if self.off or token == end_token:
+            return True
+        closing = self.closing
+        if closing is not None and closing.need and closing.first(end_token) == token:
+            self.closing = closing.advanced()
+            self.hint = self.closing.need
+            return True
+        if not self.watching(remaining + 1):
+            self.closing = None  # off the closing, far from the end: found again when needed
+            return True
+        if not matcher.consume_token(token):
+            return True  # the decoder reports the matcher's error
+        try:
+            found = check_closing(matcher, closing) if closing is not None else None
+            if found is None or found.need > remaining:
+                found = find_closing(matcher, self.bytes_, remaining)
+        finally:
+            matcher.rollback(1)
+        if found is None:
+            return False
+        self.closing, self.hint = found, found.need
+        return True
 
 
 def allowed_tokens(matchers: Sequence[Any], vocab: int) -> np.ndarray:
@@ -214,6 +512,7 @@ class ConstraintCompiler:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, tool_format: ToolCallFormat):
         self.tokenizer = ll_tokenizer(tokenizer, vocab_size)
+        self.bytes_ = ByteTokens.of(self.tokenizer)
         self.tool_format = tool_format
 
     def _compile(self, kind: str, grammar: str, param: str) -> Constraint:
@@ -225,7 +524,7 @@ class ConstraintCompiler:
         prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if prototype.is_error():
             raise ConstraintError(f"{param} cannot be enforced: {prototype.get_error().splitlines()[0]}", param)
-        return Constraint(kind, grammar, prototype)
+        return Constraint(kind, grammar, prototype, self.bytes_, find_closing(prototype, self.bytes_, START_CLOSING_LIMIT))
 
     def response_format(self, spec: dict[str, Any] | None) -> Constraint | None:
         """The constraint of a ``response_format`` (``None`` for none or ``{"type": "text"}``).

@@ -40,6 +40,17 @@ finished: ``eos`` is appended with log-prob 0 (the masked distribution's only to
 ``max_tokens`` leaves room. A matcher that refuses a token (it cannot happen with its own mask)
 ends the row with :attr:`DecodeRow.error`. Rows without a matcher are decoded exactly as without
 constrained rows in the batch: the mask touches only the rows that have one.
+
+Budget. A grammar says what may follow, not that the text must end before ``max_tokens``: a
+policy that never closes a string is cut inside it. A constrained row with a ``budget``
+(:class:`~flow_assets.policy.constrained.ClosingBudget`) keeps a completion of its grammar that
+fits the tokens it has left, ``r = max_tokens - len(tokens)``, once ``r`` comes near it: when the
+completion needs all ``r`` tokens, its next token is the only one the mask leaves (log-prob 0);
+a freely drawn token after which no completion fits ``r - 1`` tokens is masked out too and the
+row drawn again from the same uniform (the recorded log-prob is that of this last draw's masked,
+renormalised distribution), at most ``ClosingBudget.REDRAWS`` times before the completion's next
+token is forced. So the row ends with its grammar complete whenever a completion fitted
+``max_tokens`` when it was first needed (else it decodes as without a budget).
 """
 
 from __future__ import annotations
@@ -108,6 +119,9 @@ class DecodeRow:
             running or hit ``max_tokens``).
         matcher: an llguidance ``LLMatcher`` the completion must satisfy (module docstring);
             ``None``: unconstrained.
+        budget: a :class:`~flow_assets.policy.constrained.ClosingBudget` that keeps a
+            constrained row able to complete its grammar within ``max_tokens`` (module
+            docstring); ``None``: the grammar may be cut by ``max_tokens``. Only with ``matcher``.
         error: why a constrained row was cut short (its matcher refused a token), else ``None``.
     """
 
@@ -121,6 +135,7 @@ class DecodeRow:
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
     matcher: Any = None
+    budget: Any = None
     error: str | None = None
 
 
@@ -214,25 +229,57 @@ class RowDecoder:
         u = stream_uniforms(states, draws)
         constrained = [i for i, r in enumerate(rows) if r is not None and r.matcher is not None]
         if constrained:
-            logits, u = self._mask(logits, u, constrained, [rows[i].matcher for i in constrained])
+            logits, u = self._mask(logits, u, constrained, rows)
         token = draw_tokens(logits, greedy, scale, top_ps, u, nucleus)  # [rows, 1]
+        for i in constrained:
+            if rows[i].budget is not None:
+                self._budget(rows[i], i, logits, token, greedy, scale, top_ps, u, nucleus)
         logp = F.log_softmax(logits / scale, dim=-1).gather(1, token).squeeze(1)
         return token.squeeze(1).tolist(), logp.tolist()
 
-    def _mask(self, logits: torch.Tensor, u: torch.Tensor, constrained: list[int], matchers: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits`` with ``-inf`` where the matchers of rows ``constrained`` allow no token, and
-        those rows' uniforms at least ``2^-24``: the inverse CDF at ``u = 0`` would pick the first
-        id whatever its probability, a masked one included. Other rows are left as they are."""
+    def _mask(self, logits: torch.Tensor, u: torch.Tensor, constrained: list[int], rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` with ``-inf`` where the matchers of rows ``constrained`` allow no token (or,
+        for a row its budget forces, every token but the forced one), and those rows' uniforms
+        at least ``2^-24``: the inverse CDF at ``u = 0`` would pick the first id whatever its
+        probability, a masked one included. Other rows are left as they are."""
         from flow_assets.policy.constrained import allowed_tokens
 
-        allowed = torch.from_numpy(allowed_tokens(matchers, logits.shape[1]))  # [k, vocab]
+        allowed = torch.from_numpy(allowed_tokens([rows[i].matcher for i in constrained], logits.shape[1]))  # [k, vocab]
         # a matcher in an error state allows nothing: its row may end (eos) rather than sample NaN
         allowed[~allowed.any(dim=1), self.eos] = True
+        for k, i in enumerate(constrained):
+            r = rows[i]
+            if r.budget is not None:
+                forced = r.budget.forced(r.matcher, r.max_tokens - len(r.tokens), self.eos)
+                if forced is not None:
+                    allowed[k] = False
+                    allowed[k, forced] = True
         index = torch.tensor(constrained)
         logits, u = logits.clone(), u.clone()
         logits[index] = logits[index].masked_fill(~allowed, -math.inf)
         u[index] = u[index].clamp(min=2.0**-24)
         return logits, u
+
+    def _budget(self, row: DecodeRow, i: int, logits: torch.Tensor, token: torch.Tensor, greedy, scale, top_ps, u, nucleus) -> None:
+        """Row ``i``'s drawn token checked by its budget (module docstring): a token after which
+        the grammar cannot complete in the tokens left is masked out of ``logits[i]`` and the
+        row drawn again from the same uniform, at most ``ClosingBudget.REDRAWS`` times, then
+        the budget's next closing token is the only one left. ``logits`` and ``token`` are
+        updated in place, so the log-prob is that of the distribution of the last draw."""
+        remaining = row.max_tokens - len(row.tokens) - 1  # after this token
+        for redraw in range(row.budget.REDRAWS + 1):
+            drawn = int(token[i, 0])
+            if row.budget.accept(row.matcher, drawn, remaining, self.eos):
+                return
+            logits[i, drawn] = -math.inf
+            if redraw < row.budget.REDRAWS:
+                token[i] = draw_tokens(logits[i : i + 1], greedy[i : i + 1], scale[i : i + 1], top_ps[i : i + 1], u[i : i + 1], nucleus)[0]
+        forced = row.budget.closing.first(self.eos)
+        keep = logits[i, forced].clone()
+        logits[i] = -math.inf
+        logits[i, forced] = keep
+        token[i, 0] = forced
+        row.budget.accept(row.matcher, forced, remaining, self.eos)
 
     def _record(self, row: DecodeRow, token: int, logprob: float) -> bool:
         """Append a sampled token to ``row`` (and feed it to the row's matcher); whether the row is

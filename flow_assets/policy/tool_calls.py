@@ -9,7 +9,9 @@ gateway parses them back so the agent receives OpenAI's structured ``tool_calls`
   first required parameter (as declared in the request's ``tools``); a JSON object is the
   arguments as they are.
 - ``hermes`` (Hermes, Qwen 2.5 / 3 and vLLM's ``hermes`` parser): ``<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>`` blocks; the text outside them is the content.
+  "arguments": {...}}</tool_call>`` blocks; the text outside them is the content. A block's JSON
+  is read as JSON, so a string in it may contain ``</tool_call>`` (vLLM's parser ends the block
+  at the first one).
 
 A completion whose call syntax does not parse (a tool that was not offered, malformed JSON, an
 unclosed ``<tool_call>``) is returned as plain content with the reason in
@@ -106,15 +108,42 @@ def _parse_compact(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompleti
     return ParsedCompletion(content or None, tuple(calls))
 
 
+_HERMES_CLOSE = re.compile(r"\s*</tool_call>")
+
+
+def _hermes_blocks(text: str) -> list[tuple[int, int, str]]:
+    """The ``<tool_call>`` blocks of ``text`` as ``(start, end, body)``: a body that is one JSON
+    value followed by ``</tool_call>`` ends after that value, so a string inside it may hold
+    ``</tool_call>`` itself (which a constrained call's JSON may: SmolLM2 wrote it into a
+    calculator ``expression``); any other body ends at the first ``</tool_call>``."""
+    blocks, at = [], 0
+    while (start := text.find("<tool_call>", at)) >= 0:
+        body = start + len("<tool_call>")
+        body += len(text[body:]) - len(text[body:].lstrip())
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, body)
+        except json.JSONDecodeError:
+            end = -1
+        close = _HERMES_CLOSE.match(text, end) if end >= 0 else None
+        if close is not None:
+            blocks.append((start, close.end(), text[body:end]))
+        elif (block := _HERMES.match(text, start)) is not None:
+            blocks.append((start, block.end(), block.group(1)))
+        else:
+            break
+        at = blocks[-1][1]
+    return blocks
+
+
 def _parse_hermes(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletion:
-    blocks = list(_HERMES.finditer(text))
+    blocks = _hermes_blocks(text)
     if not blocks:
         return ParsedCompletion(text, error="<tool_call> is not closed" if "<tool_call>" in text else None)
     offered = {(t.get("function") or {}).get("name") for t in tools}
     calls = []
-    for k, block in enumerate(blocks, start=1):
+    for k, (_, _, body) in enumerate(blocks, start=1):
         try:
-            call = json.loads(block.group(1))
+            call = json.loads(body)
         except json.JSONDecodeError as exc:
             return ParsedCompletion(text, error=f"<tool_call> {k} is not JSON: {exc}")
         if not isinstance(call, dict) or call.get("name") not in offered:
@@ -129,7 +158,7 @@ def _parse_hermes(text: str, tools: Sequence[dict[str, Any]]) -> ParsedCompletio
         if not isinstance(args, dict):
             return ParsedCompletion(text, error=f"<tool_call> {k}: arguments are not a JSON object")
         calls.append(ToolCall(call["name"], json.dumps(args, ensure_ascii=False)))
-    content = _HERMES.sub("", text).strip()
+    content = "".join(text[a:b] for a, b in zip([0] + [end for _, end, _ in blocks], [start for start, _, _ in blocks] + [len(text)])).strip()
     return ParsedCompletion(content or None, tuple(calls))
 
 

@@ -79,6 +79,12 @@ def test_hermes_tool_calls():
     parsed = parse_tool_calls(text, "hermes", [CALCULATOR_TOOL])
     assert parsed.content == "Checking." and json.loads(parsed.tool_calls[0].arguments) == {"expression": "2*3"}
     assert parse_tool_calls("<tool_call>{oops}</tool_call>", "hermes", [CALCULATOR_TOOL]).tool_calls == ()
+    # a JSON string may hold the closing tag (SmolLM2 under tool_choice="required" wrote one): the
+    # block is the JSON value, not the text up to the first </tool_call>
+    inside = '<tool_call>{"name": "calculator", "arguments": {"expression": "1}}</tool_call>2"}}\n</tool_call> ok'
+    parsed = parse_tool_calls(inside + inside, "hermes", [CALCULATOR_TOOL])
+    assert parsed.error is None and parsed.content == "ok ok"
+    assert [json.loads(c.arguments) for c in parsed.tool_calls] == [{"expression": "1}}</tool_call>2"}] * 2
     assert parse_tool_calls("@calculator(1)", "compact", None).tool_calls == ()  # no tools offered
     with pytest.raises(ValueError, match="format"):
         parse_tool_calls("x", "xml", [CALCULATOR_TOOL])

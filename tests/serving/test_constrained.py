@@ -157,7 +157,9 @@ def test_a_constrained_row_leaves_the_unconstrained_rows_of_its_batch_bit_for_bi
 
     def decode(matcher, cut: int = 60) -> list[DecodeRow]:
         streams = row_streams(3, 3)
-        rows = [DecodeRow(list(p), 1.0, 1.0, cut if k == 1 else 60, s, matcher=matcher if k == 1 else None)
+        budget = constraint.budget() if matcher is not None else None
+        rows = [DecodeRow(list(p), 1.0, 1.0, cut if k == 1 else 60, s, matcher=matcher if k == 1 else None,
+                          budget=budget if k == 1 else None)
                 for k, (p, s) in enumerate(zip(prompts, streams))]  # fmt: skip
         # no token ends a row (eos -1): the plain row 1 of the second run cannot end before the
         # step its constrained twin ended on, and rows 0 and 2 run to 60 in both
@@ -265,3 +267,88 @@ def test_a_forced_call_admits_only_the_declared_arguments(fmt):
 
     assert accepted('{"city": "Oslo"}')
     assert not accepted('{"city": "Oslo", "units": "metric"}')
+
+
+NOTE_TOOL = {
+    "type": "function",
+    "function": {"name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}},
+}
+NAMED = {"type": "function", "function": {"name": "note"}}
+TITLE = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"}}, "required": ["title", "year"]}
+
+
+@pytest.mark.parametrize("kind", ["compact", "hermes", "json_schema"])
+def test_the_budget_makes_every_constrained_row_complete_within_max_tokens(fresh_policy_dir, kind):
+    """The random tiny model under a grammar with a free string (a named call's one string
+    argument in either call syntax, a JSON object with a string field) and ``max_tokens`` two
+    tokens above the shortest completion the budget knows: without the budget most rows are cut
+    inside the string; with it every row ends with its grammar complete (a valid call / valid
+    JSON), on eight seeds. Forced closing tokens have log-prob 0, every log-prob is <= 0."""
+    from flow_assets.policy.chat import render_prompt
+    from flow_assets.policy.constrained import ConstraintCompiler
+    from flow_assets.policy.decode import DecodeRow, RowDecoder, row_streams
+    from flow_assets.policy.tool_calls import parse_tool_calls
+
+    store = PolicyStore(str(fresh_policy_dir))
+    model, tokenizer = store.load(str(store.adapter_dir("v0")))
+    compiler = ConstraintCompiler(tokenizer, model.config.vocab_size, "hermes" if kind == "hermes" else "compact")
+    if kind == "json_schema":
+        constraint = compiler.response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": TITLE}})
+    else:
+        constraint = compiler.tool_choice(NAMED, [NOTE_TOOL], parallel=False)
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "write it"}])[1]
+    max_tokens = constraint.start.need + 2
+
+    def valid(row: DecodeRow) -> bool:
+        text = tokenizer.decode([t for t in row.tokens if t != tokenizer.eos_token_id], skip_special_tokens=True)
+        if kind == "json_schema":
+            try:
+                jsonschema.validate(json.loads(text), TITLE)
+            except (ValueError, jsonschema.ValidationError):  # cut JSON does not parse
+                return False
+            return True
+        parsed = parse_tool_calls(text, kind, [NOTE_TOOL])
+        if parsed.error or parsed.content or [c.name for c in parsed.tool_calls] != ["note"]:
+            return False
+        jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), NOTE_TOOL["function"]["parameters"])
+        return True
+
+    def decode(budgeted: bool) -> list[DecodeRow]:
+        rows = [DecodeRow(list(prompt), 1.0, 1.0, max_tokens, s, matcher=constraint.matcher(), budget=constraint.budget() if budgeted else None)
+                for s in row_streams(29, 8)]  # fmt: skip
+        decoder = RowDecoder(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        decoder.add(rows)
+        while decoder.size:
+            decoder.step()
+        return rows
+
+    without = decode(False)
+    assert sum(valid(r) for r in without) <= 4  # the case the budget is for: most rows cut
+    rows = decode(True)
+    for r in rows:
+        assert r.finished and r.error is None and len(r.tokens) <= max_tokens and valid(r), tokenizer.decode(r.tokens)
+        assert all(lp <= 0.0 for lp in r.logprobs)
+    # the rows that reached their last allowed token were closed by forced tokens (probability 1)
+    assert any(len(r.tokens) == max_tokens and r.logprobs[-2:] == [0.0, 0.0] for r in rows)
+
+
+def test_over_http_a_call_near_max_tokens_is_closed_in_time_and_one_that_cannot_fit_is_cut(fresh_server):
+    """A named call whose shortest form (``@note(x)``, 8 tokens) leaves the random tiny model 4
+    tokens of argument: every one of 5 seeds x n = 10 is a valid call ending with
+    ``tool_calls``; below the shortest form no call fits and the choice ends with ``length``, as
+    without the budget. json_schema likewise."""
+    base = {"model": "policy", "messages": [{"role": "user", "content": "note"}], "temperature": 1.0, "n": 10}
+    calls = [{**base, "tools": [NOTE_TOOL], "tool_choice": NAMED, "parallel_tool_calls": False, "seed": k, "max_tokens": 12} for k in range(5)]
+    titles = [{**base, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TITLE}}, "seed": k,
+               "max_tokens": 28} for k in range(5)]  # fmt: skip
+    replies = asyncio.run(_many(fresh_server.url, calls + titles))
+    for reply in replies[:5]:
+        for choice in reply.choices:
+            ((name, arguments),) = _calls(choice)
+            assert name == "note" and choice.finish_reason == "tool_calls" and isinstance(arguments["text"], str)
+    for reply in replies[5:]:
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), TITLE)
+    (short,) = asyncio.run(_many(fresh_server.url, [{**calls[0], "max_tokens": 7}]))
+    assert {c.finish_reason for c in short.choices} == {"length"} and all(not c.message.tool_calls for c in short.choices)

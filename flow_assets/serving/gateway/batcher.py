@@ -29,7 +29,8 @@ waits forever). Its seeds are per row: choice ``i`` of a request with seed ``s``
 random stream (:func:`~flow_assets.policy.decode.row_streams` of ``s``), so a seeded request
 samples the same completions whatever it is batched with; requests without a seed get one from
 the batcher's generator. A request with a ``constraint`` (``response_format`` / ``tool_choice``)
-gives each of its rows its own matcher of it: those rows sample under the grammar's token mask,
+gives each of its rows its own matcher of it and its own budget (which keeps the row able to
+complete the grammar within its ``max_tokens``): those rows sample under the grammar's token mask,
 the others as they would without them.
 """
 
@@ -343,9 +344,10 @@ class ContinuousBatcher:
                 continue
             seed = request.seed if request.seed is not None else int(self._rng.integers(2**63))
             for i, stream in enumerate(row_streams(seed, request.n)):
-                matcher = request.constraint.matcher() if request.constraint is not None else None
+                constraint = request.constraint
+                matcher, budget = (constraint.matcher(), constraint.budget()) if constraint is not None else (None, None)
                 rows.append(DecodeRow(list(request.prompt_ids), request.temperature, request.top_p, request.max_tokens, stream,
-                                      (pending, i), matcher=matcher))  # fmt: skip
+                                      (pending, i), matcher=matcher, budget=budget))  # fmt: skip
                 pending.rows.append(rows[-1])
                 pending.reported.append(0)
             running.append(pending)
