@@ -65,6 +65,31 @@ def test_failing_agents_land_as_error_rollouts_and_the_batch_goes_on(fresh_polic
     assert landed["never-calls"].steps == [] and landed["fine"].outcome.success is True
 
 
+async def _slow_agent(client, task):
+    """One call, then 0.7 s of the agent's own work (under the gateway's 1 s idle timeout)."""
+    response = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}])
+    await asyncio.sleep(0.7)
+    return response.choices[0].message.content
+
+
+def test_rollouts_waiting_for_an_agent_slot_longer_than_the_idle_timeout_still_finish(fresh_policy_dir, tmp_path):
+    """With one agent slot, the third rollout waits over 1.4 s for its turn; the gateway lands a
+    rollout idle for 1 s. Registered only when its agent starts, none is idle while it waits,
+    so every rollout finishes with its score (registered with the batch, the waiting ones were
+    landed unfinished and their finish refused, failing the whole collection)."""
+    tasks = [_task(f"t{i}") for i in range(3)]
+    gateway = GatewayConfig(rollout_timeout_s=1.0, reap_every_s=0.1)
+    with serve_policy(PolicyStore(str(fresh_policy_dir), max_new_tokens=2), tmp_path, config=gateway) as server:
+        results = asyncio.run(
+            run_rollouts(server.url, _slow_agent, tasks, lambda t, a: 1.0, 1, agent_id="test", batch="b", source="s",
+                         config=HarnessConfig(concurrency=1, timeout_s=30.0))
+        )  # fmt: skip
+    assert [(r.error, r.success) for r in results] == [(None, True)] * 3
+    landed = _landed(tmp_path / "s" / "b.jsonl")
+    assert sorted(t.task_id for t in landed) == ["t0", "t1", "t2"]
+    assert all(t.outcome.success for t in landed)
+
+
 def test_eight_concurrent_agents_share_batched_generation(fresh_policy_dir, tmp_path):
     config = GatewayConfig(max_wait_ms=50, default_max_tokens=6)
     with serve_policy(PolicyStore(str(fresh_policy_dir), max_new_tokens=6), tmp_path, config=config) as server:

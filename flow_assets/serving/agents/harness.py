@@ -156,33 +156,32 @@ async def run_rollouts(
     semaphore = asyncio.Semaphore(config.concurrency)
     tls = ssl.create_default_context()  # built once: a client building its own costs ~20 ms
     async with httpx2.AsyncClient(base_url=base_url, timeout=config.timeout_s + 60, verify=tls) as http:
-        await _post(
-            http,
-            "/rollouts",
-            [
-                {
-                    "rollout_id": rid,
-                    "task_id": task.task_id,
-                    "query": task.query,
-                    "agent_id": agent_id,
-                    "trajectory_id": f"{tag}/{task.task_id}/{g}",
-                    "batch": batch,
-                    "source": source,
-                    "land": config.land,
-                    "model": config.model,
-                    "temperature": config.temperature,
-                    "top_p": config.top_p,
-                    "metadata": {**(metadata or {}), "split": task.split, "source": task.source, "sample_index": g},
-                }
-                for task, g, rid in specs
-            ],
-        )
+        def registration(task: Task, g: int, rid: str) -> dict[str, Any]:
+            return {
+                "rollout_id": rid,
+                "task_id": task.task_id,
+                "query": task.query,
+                "agent_id": agent_id,
+                "trajectory_id": f"{tag}/{task.task_id}/{g}",
+                "batch": batch,
+                "source": source,
+                "land": config.land,
+                "model": config.model,
+                "temperature": config.temperature,
+                "top_p": config.top_p,
+                "metadata": {**(metadata or {}), "split": task.split, "source": task.source, "sample_index": g},
+            }
 
         async def one(task: Task, g: int, rid: str) -> RolloutResult:
             # each agent has its own HTTP client: isolated, and a pool of one connection (a pool
             # shared by hundreds of agents scans every connection on each request: measured at
             # half the harness's time with 256 agents)
             async with semaphore, httpx2.AsyncClient(base_url=base_url, timeout=config.timeout_s + 60, verify=tls) as own:
+                # registered when its agent starts, not with the batch: a rollout waiting for a
+                # free agent slot would otherwise sit idle at the gateway and, past its idle
+                # timeout, be landed unfinished and refuse this agent's finish (a whole evaluation
+                # failed that way with 624 rollouts at concurrency 128 on a loaded machine)
+                await _post(own, "/rollouts", [registration(task, g, rid)])
                 client = AsyncOpenAI(
                     base_url=f"{base_url}/v1", api_key="flowopt", default_headers={"X-Agent-ID": rid},
                     http_client=own, max_retries=0, timeout=config.timeout_s,
