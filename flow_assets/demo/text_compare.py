@@ -208,7 +208,7 @@ def run_text_comparison(
     train: dict | None = None,
     final_tasks: int | None = None,
     modes: tuple[str, ...] = ("sampled", "greedy"),
-    eval_concurrency: int = 128,
+    eval_concurrency: int = 256,
     resume: bool = False,
     settings: Settings | None = None,
 ) -> dict:
@@ -219,7 +219,10 @@ def run_text_comparison(
             :data:`~flow_assets.demo.real.COLLECT` and :data:`~flow_assets.demo.real.TRAIN`).
         final_tasks: held-out tasks evaluated (default: all 208; fewer only for a smoke test).
         modes: evaluation modes (``sampled`` at T = 0.5 and ``greedy``).
-        eval_concurrency: agents running at once per policy and mode.
+        eval_concurrency: agents running at once per policy and mode; at least the number of
+            held-out tasks, so that every rollout starts at once: a rollout the harness opened
+            waits for a slot without a call, and the gateway lands an idle rollout after 600 s,
+            so a second wave slower than that fails the evaluation ("already finished").
         resume: where ``root`` holds both trained candidates of an earlier run (its
             ``round.json`` files), keep its collection and training and only evaluate (the
             report's collection seconds are then ``null``: they are in that run's log).
