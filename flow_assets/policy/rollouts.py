@@ -145,7 +145,9 @@ def text_training_samples(
         step_advantages: ``trajectory_id, index, advantage``.
         agent_ids: the agents whose flows train this policy.
         tokenizer: the policy's tokenizer (its chat template).
-        context: messages the agent sent before its query (a system prompt), if any.
+        context: messages the agent sent before its query (a system prompt), if any; a
+            trajectory whose metadata holds its own ``context`` (and ``tools``), as an
+            ``openai-chat`` record with ``metadata.context_messages`` does, is rendered with those.
         max_length: the model's context in tokens; a turn whose prompt and completion exceed it
             is skipped with that reason (not truncated: a cut prompt is a context the policy
             never saw).
@@ -185,7 +187,13 @@ def text_training_samples(
         logged_t = trajectory.metadata.get("temperature")
         temperature = float(logged_t) if isinstance(logged_t, (int, float)) and not isinstance(logged_t, bool) else 1.0
         assumed += logged_t is None
-        rendered = trajectory_rows(tokenizer, trajectory, context=context, tools=tools, use_captured_ids=False)
+        # what the agent sent besides its episode, where its record kept it (openai-chat's
+        # metadata.context_messages), wins over the caller's guess for every trajectory
+        own_context, own_tools = trajectory.metadata.get("context"), trajectory.metadata.get("tools")
+        rendered = trajectory_rows(
+            tokenizer, trajectory, context=own_context if isinstance(own_context, list) else context,
+            tools=own_tools if isinstance(own_tools, list) else tools, use_captured_ids=False,
+        )  # fmt: skip
         skipped += [(trajectory.trajectory_id, turn, why) for turn, why in rendered.skipped]
         for row in rendered.rows:
             for turn in row.turns:

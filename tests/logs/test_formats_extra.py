@@ -138,6 +138,29 @@ def test_a_malformed_message_is_quarantined_with_its_line_and_field(tmp_path):
     assert len(result.valid) == len(records) - 1
 
 
+def test_context_messages_are_kept_as_the_agents_context_and_not_trained_as_its_steps(tmp_path):
+    """An agent's own log names how many leading messages are its fixed prompt (few-shot
+    examples): they are not the episode (no steps, not the query), and the trajectory keeps
+    them, the tools and the temperature, so every turn can be rendered again as it was seen."""
+    (record,) = _lines(DRONE)
+    system, user, call_turn = record["messages"][0], record["messages"][1], record["messages"][-1]
+    example = [{"role": "user", "content": "Take off."}, {"role": "assistant", "content": "Taking off."}]
+    messages = [system, *example, user, call_turn]
+    logged = {**record, "messages": messages, "task_id": "t1", "reward": 1.0,
+              "metadata": {"context_messages": 3, "temperature": 0.5}}  # fmt: skip
+    plain = {**record, "messages": messages, "task_id": "t1"}
+    bad = {**record, "messages": messages, "metadata": {"context_messages": len(messages)}}
+    result = parse_file(_write_jsonl(tmp_path / "agent-log.jsonl", [logged, plain, bad]))
+    own, whole = (v.trajectory for v in result.valid)
+    assert own.query == user["content"] and whole.query == example[0]["content"]
+    assert [s.kind for s in own.steps] == ["tool"] and [s.kind for s in whole.steps] == ["answer", "tool"]
+    assert own.metadata["context"] == [system, *example] and own.metadata["tools"] == record["tools"]
+    assert own.metadata["temperature"] == 0.5 and "context" not in whole.metadata and "temperature" not in whole.metadata
+    assert own.metadata["system_prompt_sha256"] == whole.metadata["system_prompt_sha256"]
+    (quarantined,) = result.quarantined
+    assert (quarantined.line, quarantined.field) == (3, "metadata.context_messages")
+
+
 # --- anthropic-messages -----------------------------------------------------------------------
 
 

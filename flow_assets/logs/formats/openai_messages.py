@@ -10,16 +10,29 @@ content given as a list of parts keeps its text parts (``text``, ``input_text``,
 ``function_call`` / role ``function`` pair becomes a tool call answered by the next ``function``
 message. A tool step fails when its result text starts with ``Error`` (as tau-bench; the format
 has no error flag). Ids and outcome: :mod:`.chat_records`.
+
+Two documented fields serve training from the text (an agent that logs its own episodes,
+docs/log-format.md), each read at the top level, then inside ``metadata`` (:func:`.chat_records.pick`):
+
+* ``context_messages`` (an integer ``n``): the first ``n`` messages are the agent's fixed
+  prompt (system prompt, few-shot examples) sent before the episode's query. They are not the
+  episode: its query is the first user message after them and its steps start there. The
+  trajectory keeps them, as normalised, in ``metadata.context``, and the record's ``tools`` in
+  ``metadata.tools``, so every turn can be rendered again with what the policy saw
+  (:func:`flow_assets.policy.rollouts.text_training_samples`).
+* ``temperature`` (a number >= 0): the sampling temperature the agent was served at, copied
+  to ``metadata.temperature`` (where the text path reads the behaviour policy's temperature).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from flow_assets.logs.formats.chat_records import chat_metadata, common_fields, detect_dialect, stream_chat_file
+from flow_assets.logs.formats.chat_records import chat_metadata, common_fields, detect_dialect, pick, stream_chat_file
 from flow_assets.logs.formats.common import DEFAULT_MAX_RECORD_BYTES, RecordError, RecordStream
 from flow_assets.logs.formats.openai_chat import ChatMessage, chat_to_steps
 from flow_assets.logs.records import display_path
@@ -98,16 +111,43 @@ def openai_chat_trajectory(record: dict[str, Any], default_id: str, stem: str) -
     """
     if "messages" not in record:
         raise RecordError("messages: missing (an OpenAI chat record is {\"messages\": [...]})", "messages")
-    chat = ChatRecord.model_validate({"messages": normalise_messages(record["messages"])})
-    episode = chat_to_steps(chat.messages, _failed)
+    normalised = normalise_messages(record["messages"])
+    chat = ChatRecord.model_validate({"messages": normalised})
+    n = context_messages(record, len(chat.messages))
+    episode = chat_to_steps(chat.messages[n:], _failed)
+    system = next((m.content or "" for m in chat.messages[:n] if m.role == "system"), episode.system_prompt)
     model = record.get("model")
+    metadata = chat_metadata(FORMAT, record, model, system)
+    if n:
+        metadata["context"] = normalised[:n]
+        if isinstance(record.get("tools"), list):
+            metadata["tools"] = record["tools"]
+    temperature, field = pick(record, "temperature")
+    if field is not None:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise RecordError(f"{field}: a temperature must be a finite number >= 0, got {temperature!r:.80}", field)
+        metadata["temperature"] = float(temperature)
     return Trajectory(
         query=episode.query,
         steps=episode.steps,
         final_answer=episode.final_answer,
-        metadata=chat_metadata(FORMAT, record, model, episode.system_prompt),
-        **common_fields(record, default_id, stem, model, episode.system_prompt, episode.query),
+        metadata=metadata,
+        **common_fields(record, default_id, stem, model, system, episode.query),
     )
+
+
+def context_messages(record: dict[str, Any], total: int) -> int:
+    """``context_messages`` of ``record`` (module docstring), 0 when absent.
+
+    Raises:
+        RecordError: not an integer, negative, or not leaving a message for the episode.
+    """
+    value, field = pick(record, "context_messages")
+    if field is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < total:
+        raise RecordError(f"{field}: expected an integer from 0 to {total - 1} (messages before the query), got {value!r:.80}", field)
+    return value
 
 
 def detect(path: Path) -> bool:
