@@ -78,7 +78,7 @@ def _demo_logs(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.policy.presets import PresetUnavailable
 
     try:
-        run_logs_demo(root=Path(args.state).resolve(), settings=settings)
+        run_logs_demo(root=Path(args.state).resolve(), family=args.family, settings=settings)
     except (PresetUnavailable, DemoStateError) as exc:
         print(f"flowopt demo-logs: {exc}", file=sys.stderr)
         return 2
@@ -507,8 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     real.set_defaults(fn=_demo_real)
-    logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on FireAct's real logs, evaluated offline (needs the smollm2 extra)")
+    logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on real logs another model wrote, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")
+    logs.add_argument("--family", default="tau-bench", choices=["tau-bench", "fireact"],
+                      help="which logs of ../shared/data: tau-bench's airline conversations (default) or FireAct's ReAct runs")
     logs.set_defaults(fn=_demo_logs)
     text = sub.add_parser(
         "demo-text",

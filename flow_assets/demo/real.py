@@ -49,6 +49,12 @@ TRAIN = {"learning_rate": 2e-4, "minibatch_size": 64, "micro_batch_size": 16, "k
 GATE_EVAL = {"max_tasks": 64, "modes": ["sampled"], "sampled_temperature": TEMPERATURE, "concurrency": 128, "timeout_s": 1800.0}
 
 
+def report_header(model_path: str) -> dict:
+    """The fields every word-problem report on SmolLM2 starts with: the preset, where its
+    weights were prepared, the task and the sampled-mode temperature."""
+    return {"model": PRESET, "model_path": model_path, "task": "word_problems", "sampled_temperature": TEMPERATURE}
+
+
 def _peak_rss_gb() -> float:
     """Peak resident memory of this process so far, GB (``ru_maxrss`` is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
@@ -118,10 +124,7 @@ def run_real_demo(
     final_seconds = time.perf_counter() - t0
     seconds = time.perf_counter() - started
     content = {
-        "model": PRESET,
-        "model_path": prepared.path,
-        "task": "word_problems",
-        "sampled_temperature": TEMPERATURE,
+        **report_header(prepared.path),
         "base_success_sampled": check["sampled"]["base"]["rate"],
         "final_success_sampled": check["sampled"]["final"]["rate"],
         "base_success_greedy": check["greedy"]["base"]["rate"],

@@ -37,7 +37,7 @@ from pathlib import Path
 import polars as pl
 
 from flow_assets.definitions import build_definitions
-from flow_assets.demo.real import COLLECT, PRESET, TEMPERATURE, TRAIN
+from flow_assets.demo.real import COLLECT, PRESET, TEMPERATURE, TRAIN, report_header
 from flow_assets.demo.state import DemoState, save_cursor
 from flow_assets.logs.landing import key_source
 from flow_assets.policy.presets import prepare_model
@@ -288,10 +288,7 @@ def run_text_comparison(
              "text_vs_captured": pair_report(rows, "text", "captured")}  # fmt: skip
     seconds = time.perf_counter() - started
     content = {
-        "model": PRESET,
-        "model_path": prepared.path,
-        "task": "word_problems",
-        "sampled_temperature": TEMPERATURE,
+        **report_header(prepared.path),
         "heldout_tasks": len(held_out),
         "policies": POLICIES,
         "success": {mode: {p: float(rows.filter((pl.col("mode") == mode) & (pl.col("policy") == p))["success"].mean()) for p in POLICIES}

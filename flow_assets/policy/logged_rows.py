@@ -42,10 +42,12 @@ one only where these did not occur):
   50% of the messages with calls hold several.
 
 Rebuilt from the canonical record, 202 of tau-bench's 2,454 assistant turns have a known context
-(8%; tau2 about 7%), FireAct's all of them. Where the log holds the messages whole (tau-bench's
-``traj``), :func:`chat_conversation` trains every turn: with SmolLM2's template, 200 rows (one per
-conversation, all prefix-consistent) of 4,332 tokens on average instead of 2,454 per-turn rows
-holding 9.5 times as many tokens.
+(8%; tau2 about 7%), FireAct's all of them. Where the record kept the messages whole
+(``metadata.messages``: tau-bench's parser keeps its ``traj`` with the steps each assistant
+message became), :func:`kept_conversation` gives every turn its context and
+:func:`trajectory_conversation` uses it: with SmolLM2's template, 200 rows (one per
+conversation, all prefix-consistent) of 4,332 tokens on average (without tool specifications)
+instead of 2,454 per-turn rows holding 9.5 times as many tokens.
 
 Two step conventions are read (:func:`trajectory_conversation`):
 
@@ -204,7 +206,9 @@ def trajectory_conversation(
     tools: Sequence[dict[str, Any]] | None = None,
     query: str | None = None,
 ) -> LoggedConversation:
-    """Rebuild the chat messages of ``trajectory`` (rules and limits in the module docstring).
+    """Rebuild the chat messages of ``trajectory`` (rules and limits in the module docstring);
+    a record that kept its conversation whole gives :func:`kept_conversation` (``context`` and
+    ``query`` are then not used: the kept messages hold them).
 
     Args:
         trajectory: a canonical trajectory.
@@ -222,6 +226,9 @@ def trajectory_conversation(
         :class:`LoggedConversation`; a tool call's id is the logged one where the log kept it,
         else ``call_<step index>``.
     """
+    kept = kept_conversation(trajectory, tools)
+    if kept is not None:
+        return kept
     messages: list[dict[str, Any]] = [dict(m) for m in context]
     messages.append({"role": "user", "content": trajectory.query if query is None else query})
     turns: list[AssistantTurn] = []
@@ -289,6 +296,70 @@ def trajectory_conversation(
             known = False  # a user message answered this text; the trajectory does not hold it
     turns = [AssistantTurn(t.message_index, tuple(s), t.context_known, t.captured) for t, s in zip(turns, steps_of)]
     return LoggedConversation(messages, list(tools) if tools else None, tuple(turns))
+
+
+def kept_conversation(trajectory: Trajectory, tools: Sequence[dict[str, Any]] | None = None) -> LoggedConversation | None:
+    """The conversation a record kept whole (``metadata.messages``: OpenAI chat messages, with
+    ``metadata.message_steps`` saying which steps each assistant message became; tau-bench's
+    parser keeps both), or ``None`` when it kept none or the trajectory carries captured ids
+    (captured ids win). Every turn's context is known, the system prompt and every user message
+    included; a turn's steps are the ones its message became (none for an empty message).
+
+    Raises:
+        ValueError: ``metadata.messages`` holds a message without a ``role``.
+    """
+    messages = trajectory.metadata.get("messages")
+    if not isinstance(messages, list) or any(step.token_ids is not None for step in trajectory.steps):
+        return None
+    conversation = chat_conversation(messages, tools)
+    steps_at = {int(position): tuple(int(i) for i in indices) for position, indices in trajectory.metadata.get("message_steps") or []}
+    turns = tuple(AssistantTurn(t.message_index, steps_at.get(t.message_index, ()), True) for t in conversation.turns)
+    return LoggedConversation(conversation.messages, conversation.tools, turns)
+
+
+def infer_tools(conversations: Sequence[LoggedConversation]) -> list[dict[str, Any]]:
+    """Tool specifications made up from the calls of logs that kept none (tau-bench logs the
+    calls, not the ``tools`` its agent offered): one function per called name, in order of first
+    use, with every argument key seen in its calls; a key's JSON type where all its values share
+    one (``integer`` widens to ``number``), and ``required`` the keys present in every call.
+    There are no descriptions: the log holds none.
+
+    Args:
+        conversations: rebuilt conversations (their assistant ``tool_calls``).
+
+    Returns:
+        OpenAI ``tools``: ``[{"type": "function", "function": {"name", "parameters"}}]``.
+    """
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object", type(None): "null"}
+    seen: dict[str, dict[str, set[str]]] = {}
+    calls: dict[str, int] = {}
+    present: dict[str, dict[str, int]] = {}
+    for conversation in conversations:
+        for message in conversation.messages:
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                name, arguments = function.get("name"), function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except ValueError:
+                        arguments = None
+                if not name:
+                    continue
+                keys = seen.setdefault(name, {})
+                calls[name] = calls.get(name, 0) + 1
+                for key, value in (arguments or {}).items() if isinstance(arguments, dict) else ():
+                    keys.setdefault(key, set()).add(kinds.get(type(value), "string"))
+                    present.setdefault(name, {})[key] = present.get(name, {}).get(key, 0) + 1
+    tools = []
+    for name, keys in seen.items():
+        properties = {}
+        for key, types in keys.items():
+            types = {"number"} if types == {"integer", "number"} else types
+            properties[key] = {"type": next(iter(types))} if len(types) == 1 else {}
+        required = [k for k in keys if present.get(name, {}).get(k, 0) == calls[name]]
+        tools.append({"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties, "required": required}}})
+    return tools
 
 
 def chat_conversation(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> LoggedConversation:

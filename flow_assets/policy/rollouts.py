@@ -103,13 +103,14 @@ class TextSamples:
     """Training rows re-rendered from a batch's text-only trajectories (no logged token ids).
 
     Attributes:
-        samples: one :class:`TrainingSample` per rendered assistant turn, ``behaviour_logprobs``
+        samples: one :class:`TrainingSample` per rendered assistant turn (or per packed run of
+            turns, ``pack``), ``behaviour_logprobs``
             ``None`` (the round computes them with the logged version: see
             :func:`flow_assets.training.rounds.train_candidate`).
         adapter_versions: per sample, the ``adapter_version`` the trajectory logged (``None``
             where it logged none).
         trajectories: text-only trajectories of the agent read.
-        turns: assistant turns rendered (= ``len(samples)``).
+        turns: assistant turns rendered (``len(samples)`` unless packed).
         skipped: ``(trajectory_id, turn, reason)`` for turns not rendered (e.g. a user message
             the canonical record does not keep came before them).
         assumed_temperature: trajectories that logged no sampling temperature (read as T = 1).
@@ -134,6 +135,7 @@ def text_training_samples(
     max_length: int | None = None,
     held_out: Callable[[str], bool] | None = None,
     tools: Sequence[dict] | None = None,
+    pack: bool = False,
 ) -> TextSamples:
     """Training rows of the trajectories of ``agent_ids`` that carry no token ids: each assistant turn
     re-rendered with the policy's own chat template (:func:`flow_assets.policy.logged_rows.trajectory_rows`,
@@ -156,6 +158,14 @@ def text_training_samples(
             ``held_out_trajectories``.
         tools: the tool specifications the agent offered (OpenAI ``tools``), where the log did not
             keep them.
+        pack: consecutive turns of one prefix-consistent row with the same advantage become ONE
+            sample (prompt = the first turn's prompt, completion = everything up to the end of
+            the last turn, ``loss_mask`` 1 on the turns' tokens only): a conversation costs one
+            forward pass instead of one per turn. For a causal LM each masked token has the same
+            log-prob as in its own per-turn sample, so under token-level aggregation (``dapo``,
+            ``bnpo``) with one weight per turn the loss and its gradient are the per-turn ones;
+            under per-sequence aggregation (``grpo``, ``dr_grpo``) the conversation counts as one
+            sequence. A GRPO round needs per-turn behaviour log-probs: leave it off there.
 
     Returns:
         :class:`TextSamples`. A trajectory with any captured token ids is left to
@@ -175,7 +185,7 @@ def text_training_samples(
     samples: list[TrainingSample] = []
     versions: list[str | None] = []
     skipped: list[tuple[str, int, str]] = []
-    read = assumed = held = 0
+    read = assumed = held = turns = 0
     for (record,) in interaction_logs.filter(pl.col("agent_id").is_in(list(agent_ids))).select("record_json").iter_rows():
         trajectory = Trajectory.model_validate_json(record)
         if any(step.token_ids is not None for step in trajectory.steps):
@@ -196,6 +206,7 @@ def text_training_samples(
         )  # fmt: skip
         skipped += [(trajectory.trajectory_id, turn, why) for turn, why in rendered.skipped]
         for row in rendered.rows:
+            kept: list[tuple[int, list[int], float]] = []  # (turn, its positions in the row, its advantage)
             for turn in row.turns:
                 positions = [p for p, k in enumerate(row.turn_index) if k == turn]
                 steps = rendered.conversation.turns[turn].steps
@@ -206,9 +217,27 @@ def text_training_samples(
                 if max_length is not None and positions[-1] + 1 > max_length:
                     skipped.append((trajectory.trajectory_id, turn, f"{positions[-1] + 1} tokens, over the model's context of {max_length}"))
                     continue
+                kept.append((turn, positions, float(credited[-1])))
+            for run in _packed_runs(kept) if pack else [[k] for k in kept]:
+                start, end = run[0][1][0], run[-1][1][-1] + 1
+                in_loss = {p for _, positions, _ in run for p in positions}
                 samples.append(TrainingSample(
-                    prompt_ids=row.input_ids[: positions[0]], completion_ids=row.input_ids[positions[0] : positions[-1] + 1],
-                    advantage=float(credited[-1]), task_id=trajectory.task_id, temperature=temperature,
+                    prompt_ids=row.input_ids[:start], completion_ids=row.input_ids[start:end], advantage=run[0][2],
+                    task_id=trajectory.task_id, temperature=temperature,
+                    loss_mask=[int(p in in_loss) for p in range(start, end)] if len(run) > 1 else None,
                 ))  # fmt: skip
                 versions.append(trajectory.adapter_version)
-    return TextSamples(samples, versions, read, len(samples), skipped, assumed, held)
+                turns += len(run)
+    return TextSamples(samples, versions, read, turns, skipped, assumed, held)
+
+
+def _packed_runs(kept: list[tuple[int, list[int], float]]) -> list[list[tuple[int, list[int], float]]]:
+    """Consecutive turns of one row with the same advantage, grouped (a turn left out, or a
+    different advantage, starts a new group)."""
+    runs: list[list[tuple[int, list[int], float]]] = []
+    for item in kept:
+        if runs and runs[-1][-1][0] + 1 == item[0] and runs[-1][-1][2] == item[2]:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs

@@ -164,6 +164,9 @@ class GRPORoundTrainer:
             raise TypeError("the GRPO trainer trains a PEFT adapter; wrap the model with add_lora_adapter")
         self.model = model
         self.config = config or GRPOTrainerConfig()
+        if self.config.gradient_checkpointing:
+            # non-reentrant: the frozen base's inputs need no requires_grad for LoRA's grads to flow
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = ref_model
         c = self.config
         if c.minibatch_size < 1 or c.num_iterations < 1 or c.save_steps < 1 or c.keep_best < 1:
@@ -222,7 +225,8 @@ class GRPORoundTrainer:
         """sha256 over the samples' ids, advantages and log-probs (identifies the round's data)."""
         h = hashlib.sha256()
         for s in self.samples:
-            h.update(json.dumps([s.prompt_ids, s.completion_ids, s.advantage, s.behaviour_logprobs, s.temperature]).encode())
+            fields = [s.prompt_ids, s.completion_ids, s.advantage, s.behaviour_logprobs, s.temperature]
+            h.update(json.dumps(fields + ([s.loss_mask] if s.loss_mask is not None else [])).encode())
         return h.hexdigest()
 
     # ----------------------------------------------------------------------------- training
@@ -269,7 +273,7 @@ class GRPORoundTrainer:
 
     def _train_step(self, step: int) -> StepMetrics:
         batch = [self.samples[i] for i in self.minibatch(step)]
-        total_tokens = sum(len(s.completion_ids) for s in batch)
+        total_tokens = sum(s.num_loss_tokens for s in batch)
         longest = max(len(s.completion_ids) for s in batch)
         loss_config = self.config.loss
         if loss_config.loss_type == "dr_grpo" and loss_config.max_completion_length is None:
@@ -285,6 +289,7 @@ class GRPORoundTrainer:
             completions = [s.completion_ids for s in micro]
             temperatures = [s.temperature for s in micro]
             logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
+            mask = _with_loss_masks(mask, micro)
             advantages = torch.tensor([s.advantage for s in micro], dtype=logp_new.dtype)  # [mb]
             if self.config.update_rule == "awr":
                 awr = self.config.awr
@@ -442,6 +447,19 @@ class GRPORoundTrainer:
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
+
+
+def _with_loss_masks(mask: torch.Tensor, batch: list[TrainingSample]) -> torch.Tensor:
+    """``[mb, seq]`` completion mask (left-aligned, as :func:`completion_logprobs` returns it)
+    times each sample's ``loss_mask``: a packed conversation's tool results and user messages
+    leave the loss, its assistant turns stay."""
+    if all(s.loss_mask is None for s in batch):
+        return mask
+    mask = mask.clone()
+    for i, s in enumerate(batch):
+        if s.loss_mask is not None:
+            mask[i, : len(s.loss_mask)] *= torch.tensor(s.loss_mask, dtype=mask.dtype, device=mask.device)
+    return mask
 
 
 class CheckpointMismatch(ValueError):

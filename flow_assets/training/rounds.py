@@ -437,6 +437,8 @@ def train_candidate(
         text = text_training_samples(
             tables["interaction_logs"], tables["step_advantages"], trained_agents, tokenizer,
             max_length=getattr(model.config, "max_position_embeddings", None), held_out=is_held_out, tools=tools,
+            # exact under token-level aggregation, and a long transcript then costs one pass
+            pack=update_rule == "awr" and config.awr.loss_type in ("dapo", "bnpo"),
         )  # fmt: skip
     if text.samples and update_rule == "grpo":
         rescored = text_behaviour_logprobs(store, registry, champion, model, tokenizer.pad_token_id, text, config.micro_batch_size or 16)
@@ -492,7 +494,7 @@ def train_candidate(
         negate_advantages=negate_advantages,
         config=config.to_dict(),
         turns_captured=len(captured),
-        turns_text=len(text.samples),
+        turns_text=text.turns,
         text_turns_skipped=len(text.skipped),
         text_temperature_assumed=text.assumed_temperature,
         text_held_out_trajectories=text.held_out_trajectories,

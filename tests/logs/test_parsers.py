@@ -179,15 +179,21 @@ def test_last_assistant_text_is_the_answer_and_the_final_answer(
     assert kinds == {"message": 1090, "tool": 1072, "answer": 200, "plan": 182}
 
 
-def test_system_prompt_is_kept_only_as_hash_and_length(
+def test_the_conversation_is_kept_whole_beside_the_system_prompt_hash(
     tau_bench: ParseResult, tau_bench_raw: list[dict]
 ):
+    # the steps cannot hold the user's later messages; training on the text and offline
+    # evaluation need them, so the record keeps the conversation as OpenAI messages
     for run, t in zip(tau_bench_raw, _trajectories(tau_bench), strict=True):
         system = run["traj"][0]["content"]
         assert t.metadata["system_prompt_sha256"] == hashlib.sha256(system.encode()).hexdigest()
         assert t.metadata["system_prompt_chars"] == len(system)
-        dumped = t.model_dump_json()
-        assert "# Airline Agent Policy" not in dumped and system[:200] not in dumped
+        kept = t.metadata["messages"]
+        assert [(m["role"], m["content"]) for m in kept] == [(m["role"], m.get("content")) for m in run["traj"]]
+        for ours, logged in zip(kept, run["traj"]):
+            calls = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in logged.get("tool_calls") or []]
+            assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours.get("tool_calls") or []] == calls
+            assert ours.get("tool_call_id") == logged.get("tool_call_id")
 
 
 # ---------------------------------------------------------------- tau2

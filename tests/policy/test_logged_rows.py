@@ -13,6 +13,8 @@ from flow_assets.policy.chat import COMPACT_CHAT_TEMPLATE, assistant_turn_ids, c
 from flow_assets.policy.logged_rows import (
     chat_conversation,
     conversation_training_rows,
+    infer_tools,
+    kept_conversation,
     render_drift,
     trajectory_conversation,
     trajectory_rows,
@@ -206,11 +208,54 @@ def test_real_logs_nobody_here_wrote(calculator_policy_dir, shared_data):
         assert covered == [s.index for s in trajectory.steps if s.kind != "observation"]
     tau = [v.trajectory for v in parse_file(shared_data / "tau-bench" / "gpt-4o-airline.json").valid[:20]]
     for trajectory in tau:
+        # rebuilt from the steps alone, the turns after the agent's first reply to the user lost their context
+        steps_only = trajectory.model_copy(update={"metadata": {k: v for k, v in trajectory.metadata.items() if k != "messages"}})
+        rebuilt = trajectory_rows(tokenizer, steps_only)
+        known = [t.context_known for t in rebuilt.conversation.turns]
+        assert {t for r in rebuilt.rows for t in r.turns} == {k for k, ok in enumerate(known) if ok} and len(rebuilt.skipped) == known.count(False)
+        # the record keeps the conversation whole: every assistant turn is trained, in one row
         result = trajectory_rows(tokenizer, trajectory)
-        trained = {t for r in result.rows for t in r.turns}
-        known = [t.context_known for t in result.conversation.turns]
-        # turns up to the agent's first reply to the user are trained; later ones lost their context
-        assert trained == {k for k, ok in enumerate(known) if ok} and len(result.skipped) == known.count(False)
+        (row,) = result.rows
+        assert not result.skipped and row.turns == tuple(range(len(result.conversation.turns))) and known.count(False) > 0
+
+
+def test_a_kept_tau_bench_conversation_maps_each_assistant_message_to_its_steps(shared_data):
+    runs = json.loads((shared_data / "tau-bench" / "gpt-4o-airline.json").read_text())
+    trajectories = [v.trajectory for v in parse_file(shared_data / "tau-bench" / "gpt-4o-airline.json").valid]
+    assert len(trajectories) == len(runs) == 200
+    for run, trajectory in zip(runs, trajectories):
+        conversation = kept_conversation(trajectory)
+        assert [m["role"] for m in conversation.messages] == [m["role"] for m in run["traj"]]
+        assert all(t.context_known for t in conversation.turns)
+        by_index = {s.index: s for s in trajectory.steps}
+        for turn in conversation.turns:
+            logged = run["traj"][turn.message_index]
+            calls = [c["function"]["name"] for c in logged.get("tool_calls") or []]
+            steps = [by_index[i] for i in turn.steps]
+            assert [s.tool for s in steps if s.tool] == calls  # each call is its own step, in order
+            if (logged.get("content") or "").strip():
+                assert steps[0].output == logged["content"]
+            else:  # a message with neither text nor calls became no step
+                assert bool(turn.steps) == bool(calls)
+        # every step came from exactly one assistant message
+        assert sorted(i for t in conversation.turns for i in t.steps) == [s.index for s in trajectory.steps]
+
+
+def test_tools_inferred_from_logged_calls_cover_every_call():
+    conversation = chat_conversation([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "get_user", "arguments": '{"user_id": "u1"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "{}"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "b", "type": "function", "function": {"name": "get_user", "arguments": '{"user_id": "u2", "verbose": true}'}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "{}"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "pay", "arguments": {"amount": 5}}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "{}"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "d", "type": "function", "function": {"name": "pay", "arguments": {"amount": 2.5}}}]},
+    ])  # fmt: skip
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in infer_tools([conversation])}
+    assert list(tools) == ["get_user", "pay"]
+    assert tools["get_user"] == {"type": "object", "properties": {"user_id": {"type": "string"}, "verbose": {"type": "boolean"}}, "required": ["user_id"]}
+    assert tools["pay"] == {"type": "object", "properties": {"amount": {"type": "number"}}, "required": ["amount"]}
 
 
 def test_captured_ids_of_another_tokenizer_are_refused(captured):
@@ -257,3 +302,45 @@ def test_a_conversation_logged_whole_trains_every_assistant_turn_in_one_row(calc
                 expected += f"@{call['function']['name']}({body})"
             if expected.isascii():  # the tiny tokenizer is printable ASCII
                 assert tokenizer.decode(_turn_tokens(row, k), skip_special_tokens=True) == expected
+
+
+def _awr_loss_and_grads(model, samples, pad_id):
+    from flow_assets.policy.trainer import _with_loss_masks
+    from flow_assets.rl.awr_loss import AWRLossConfig, awr_loss
+
+    model.zero_grad(set_to_none=True)
+    logp, mask = completion_logprobs(model, [s.prompt_ids for s in samples], [s.completion_ids for s in samples], pad_id)
+    out = awr_loss(logp, _with_loss_masks(mask, samples), torch.tensor([s.advantage for s in samples]), None, AWRLossConfig(loss_type="dapo"))
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_packed_conversation_gives_the_per_turn_awr_loss_and_gradient(calculator_policy_dir):
+    """Packing a conversation's turns into one sample (loss mask on the assistant tokens) is
+    exact under token-level aggregation: same loss, same gradient, one forward pass."""
+    import polars as pl
+
+    from flow_assets.policy.rollouts import text_training_samples
+
+    model, tokenizer = PolicyStore(str(calculator_policy_dir)).load()
+    trajectory = THINKING.model_copy(update={"agent_id": "me"})
+    logs = pl.DataFrame({"agent_id": ["me"], "record_json": [trajectory.model_dump_json()]})
+    advantages = pl.DataFrame({"trajectory_id": ["t1"] * 3, "index": [0, 1, 2], "advantage": [0.75, 0.75, 0.75]})
+    per_turn = text_training_samples(logs, advantages, ["me"], tokenizer, tools=TOOLS)
+    packed = text_training_samples(logs, advantages, ["me"], tokenizer, tools=TOOLS, pack=True)
+    assert (len(per_turn.samples), len(packed.samples), per_turn.turns, packed.turns) == (2, 1, 2, 2)
+    (sample,) = packed.samples
+    assert sample.num_loss_tokens == sum(len(s.completion_ids) for s in per_turn.samples) < len(sample.completion_ids)
+    assert sample.prompt_ids == per_turn.samples[0].prompt_ids
+    assert sample.prompt_ids + sample.completion_ids == per_turn.samples[1].prompt_ids + per_turn.samples[1].completion_ids
+    model.eval()  # no dropout: both passes compute the same function
+    out_turns, grads_turns = _awr_loss_and_grads(model, per_turn.samples, tokenizer.pad_token_id)
+    out_packed, grads_packed = _awr_loss_and_grads(model, packed.samples, tokenizer.pad_token_id)
+    assert out_packed.num_tokens == out_turns.num_tokens
+    assert torch.allclose(out_packed.loss, out_turns.loss, rtol=1e-5, atol=1e-6)
+    assert grads_turns.keys() == grads_packed.keys() and grads_turns
+    for name, grad in grads_turns.items():
+        assert torch.allclose(grads_packed[name], grad, rtol=1e-4, atol=1e-6), name
+    # a turn with another advantage starts a new sample
+    split = text_training_samples(logs, advantages.with_columns(advantage=pl.Series([0.75, 0.75, 0.5])), ["me"], tokenizer, tools=TOOLS, pack=True)
+    assert [s.advantage for s in split.samples] == [0.75, 0.5] and all(s.loss_mask is None for s in split.samples)

@@ -68,3 +68,27 @@ def test_a_policy_warm_started_on_the_flows_takes_their_next_actions(calculator_
     assert cand["name"]["rate"] > champ["name"]["rate"]
     assert cand["name_and_arguments"]["rate"] > champ["name_and_arguments"]["rate"]
     assert report["difference"]["name"]["ci_low"] > 0
+
+
+def test_one_prefill_per_conversation_decodes_what_each_prompt_alone_decodes(calculator_policy_dir, fresh_policy_dir):
+    """The batched per-conversation decoder gives every turn the completion that greedy decoding
+    of its own prompt gives: a turn never sees the rest of the conversation."""
+    from flow_assets.policy.configs import SamplingConfig
+    from flow_assets.policy.next_action import conversation_greedy_actions, conversation_greedy_completions
+    from flow_assets.policy.sampling import sample_token_ids
+
+    trained, tokenizer = _policy(calculator_policy_dir)
+    untrained, _ = _policy(fresh_policy_dir)
+    fmt = chat_format(tokenizer)
+    turns = logged_turns(_logged(CalculatorSource().tasks("train")[:6]), fmt, tools=[CALCULATOR_TOOL])
+    turns = turns[1::2] + turns[0::2]  # any order: answers first
+    prompts = [render_prompt(tokenizer, t.messages, t.tools, add_generation_prompt=True, fmt=fmt)[1] for t in turns]
+    for model in (trained, untrained):  # the untrained one runs to the cap: every decoding step is compared
+        alone = sample_token_ids(model, tokenizer, prompts, SamplingConfig(num_samples=1, temperature=0.0, max_new_tokens=24, max_batch_size=1))
+        together = conversation_greedy_completions(model, tokenizer, turns, max_new_tokens=24)
+        assert together == [r.completion_ids for r in alone]
+        assert conversation_greedy_actions(model, tokenizer, turns, 24) == predicted_actions(model, tokenizer, turns, 24)
+    # a turn whose prompt and completion cap exceed the context gets no completion
+    longest = max(len(p) for p in prompts)
+    capped = conversation_greedy_completions(trained, tokenizer, turns, max_new_tokens=24, max_length=longest + 23)
+    assert [c is None for c in capped] == [len(p) == longest for p in prompts]

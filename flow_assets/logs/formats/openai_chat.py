@@ -9,7 +9,12 @@ The message→step mapping (a step is one agent decision) is shared with :mod:`.
 * assistant text with no tool calls is a ``message`` step, except the last such message of the
   episode, which is the ``answer`` step and the trajectory's ``final_answer``;
 * user, system and tool messages are not steps: the query is the first user message, the system
-  prompt is kept only as its sha256 and length.
+  prompt's sha256 and length are in the metadata.
+
+The steps cannot hold the user's later messages, so a tau-bench record also keeps the whole
+conversation as OpenAI messages (``metadata.messages``, :func:`openai_messages`) with the steps
+each assistant message became (``metadata.message_steps``): what training on the logged text and
+offline evaluation render (:func:`flow_assets.policy.logged_rows.kept_conversation`).
 
 tau-bench's historical trajectories are a JSON list of ``{task_id, trial, reward, info, traj}``.
 """
@@ -105,13 +110,15 @@ class ChatMessage(BaseModel):
 
 @dataclass(frozen=True)
 class ChatEpisode:
-    """What a conversation yields besides its outcome: steps, query, final answer, and the
-    system prompt text (to be hashed, never stored)."""
+    """What a conversation yields besides its outcome: steps, query, final answer, the system
+    prompt text (hashed into the metadata) and which steps each assistant message became."""
 
     steps: list[Step]
     query: str
     final_answer: str | None
     system_prompt: str | None
+    #: per assistant message that yielded steps: ``[position in the conversation, [step indices]]``
+    message_steps: list[list[Any]]
 
 
 def _instant(stamp: str | None) -> datetime | None:
@@ -156,6 +163,7 @@ def chat_to_steps(
     answer_at = text_only[-1] if text_only else None
 
     steps: list[Step] = []
+    message_steps: list[list[Any]] = []
     clock: datetime | None = None
     query: str | None = None
     system_prompt: str | None = None
@@ -169,11 +177,33 @@ def chat_to_steps(
             clock = stamp
             continue
         turn = _turn_steps(message, position, position == answer_at, stamp, results, tool_failed)
+        first = len(steps)
         for fields, end in turn:
             steps.append(Step(index=len(steps), duration_ms=_elapsed_ms(clock, end), **fields))
             clock = end
+        if len(steps) > first:
+            message_steps.append([position, list(range(first, len(steps)))])
     final_answer = messages[answer_at].content if answer_at is not None else None
-    return ChatEpisode(steps, query or "", final_answer, system_prompt)
+    return ChatEpisode(steps, query or "", final_answer, system_prompt, message_steps)
+
+
+def openai_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages, whichever dialect it was logged in: each tool
+    call as ``{id, type: "function", function: {name, arguments: <JSON string>}}``, a tool
+    message's call id as ``tool_call_id`` (tau2's ``id``); timestamps and tau2's ``error`` flag
+    are left out (they are in the steps). This is what a chat template renders."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{
+                "id": c.id, "type": "function",
+                "function": {"name": c.tool_name, "arguments": orjson.dumps(c.parsed_arguments if c.parsed_arguments is not None else {}).decode()},
+            } for c in m.tool_calls]  # fmt: skip
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id or m.id
+        out.append(message)
+    return out
 
 
 class _ResultQueue:
@@ -262,6 +292,8 @@ def tau_bench_trajectory(run: TauBenchRun, stem: str) -> Trajectory:
     if "user_cost" in run.info:
         metadata["user_cost"] = run.info["user_cost"]
     metadata.update(prompt_fingerprint(episode.system_prompt, "system_prompt"))
+    metadata["messages"] = openai_messages(run.traj)
+    metadata["message_steps"] = episode.message_steps
     return Trajectory(
         trajectory_id=f"{stem}/task{run.task_id}/trial{run.trial}",
         task_id=run.task_id,
