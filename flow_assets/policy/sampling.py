@@ -405,7 +405,8 @@ def completion_logprobs(
     (as in generation). Only the last ``max completion length + 1`` columns are turned into
     logits (``logits_to_keep``): the vocabulary projection of prompt positions would be
     discarded, and for a 49k-token vocabulary it is most of the pass's memory. A prefix shared
-    by every prompt is computed once (module docstring).
+    by every prompt of two or more rows is computed once (module docstring), except while a
+    model in training recomputes its activations (gradient checkpointing runs without a cache).
 
     Args:
         model: the policy (plain or PEFT); gradients flow when grad is enabled.
@@ -433,7 +434,10 @@ def completion_logprobs(
     if len(temps) != batch or any(t < 0 for t in temps):
         raise ValueError(f"temperature must be >= 0, one value or {batch} values; got {temperature!r}")
     shared = shared_prefix_length(prompt_ids)
-    shared = shared if shared >= MIN_SHARED_PREFIX else 0
+    # one row has nothing to share; and a model that recomputes activations (gradient
+    # checkpointing, in training) runs without a KV cache, so it cannot take the prefix's
+    checkpointing = model.training and bool(getattr(model, "is_gradient_checkpointing", False))
+    shared = shared if shared >= MIN_SHARED_PREFIX and batch > 1 and not checkpointing else 0
     rows = [list(p[shared:]) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     input_ids, attention_mask = _left_pad(rows, pad_token_id)  # [batch, width]
     comp_width = max(1, max(len(c) for c in completion_ids))
