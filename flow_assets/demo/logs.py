@@ -189,7 +189,7 @@ def run_logs_demo(
     )  # fmt: skip
     train_seconds = time.perf_counter() - t0
     seen = min(summary.num_samples * train.num_iterations, summary.final_step * train.minibatch_size)
-    print(f"trained {summary.final_step} steps, {seen} of the {summary.num_samples} turn rows with a positive advantage "
+    print(f"trained {summary.final_step} steps, {seen} of the {summary.num_samples} samples with a positive advantage (a run's turns packed into one) "
           f"({summary.dropped_zero_advantage} without one left out; {summary.text_held_out_trajectories} held-out runs never "
           f"trained) in {train_seconds:.0f} s", flush=True)  # fmt: skip
 
