@@ -109,6 +109,37 @@ def accuracy(hits: Sequence[bool]) -> Accuracy:
     return Accuracy(rate=correct / len(hits), ci_low=low, ci_high=high, correct=correct, n=len(hits))
 
 
+def action_breakdown(logged: Sequence[Action], predicted: Sequence[Action | None]) -> dict[str, dict[str, int]]:
+    """What a policy did on the logged text-answer turns and on the logged tool-call turns: the
+    counts behind its accuracy (a policy that answers in text everywhere is right on every answer
+    turn and on no call; one that calls tools everywhere the reverse).
+
+    Args:
+        logged / predicted: ``[turns]`` the logged actions and the policy's (``None``: nothing
+            parseable).
+
+    Returns:
+        ``{"answer_turns": {"n", "answered", "called", "unparsed"}, "tool_turns": {"n",
+        "answered", "called", "unparsed", "right_name", "right_arguments"}}``, counts of turns.
+
+    Raises:
+        ValueError: the sequences differ in length.
+    """
+    if len(logged) != len(predicted):
+        raise ValueError(f"{len(logged)} logged actions but {len(predicted)} predicted")
+    out = {kind: {"n": 0, "answered": 0, "called": 0, "unparsed": 0} for kind in ("answer_turns", "tool_turns")}
+    out["tool_turns"].update(right_name=0, right_arguments=0)
+    for ref, pred in zip(logged, predicted):
+        counts = out["answer_turns" if ref.name == ANSWER else "tool_turns"]
+        counts["n"] += 1
+        counts["unparsed" if pred is None else "answered" if pred.name == ANSWER else "called"] += 1
+        if ref.name != ANSWER:
+            name_ok, both_ok = score_action(pred, ref)
+            counts["right_name"] += name_ok
+            counts["right_arguments"] += both_ok
+    return out
+
+
 def next_action_report(
     trajectory_ids: Sequence[str],
     logged: Sequence[Action],
@@ -129,8 +160,9 @@ def next_action_report(
     Returns:
         ``{"n_turns", "n_trajectories", "candidate": {"name": Accuracy, "name_and_arguments":
         Accuracy}, "champion": {...}, "difference": {"name": PairedBootstrapResult,
-        "name_and_arguments": ...}}`` as plain dicts (JSON-ready); ``difference`` is candidate minus
-        champion in accuracy points (a fraction).
+        "name_and_arguments": ...}, "breakdown": {"candidate": ..., "champion": ...}}`` as plain
+        dicts (JSON-ready); ``difference`` is candidate minus champion in accuracy points (a
+        fraction); ``breakdown`` is :func:`action_breakdown` of each.
 
     Raises:
         ValueError: the sequences differ in length or are empty.
@@ -156,4 +188,5 @@ def next_action_report(
         report["difference"][measure] = asdict(
             paired_bootstrap(cand, champ, n_resamples=n_resamples, seed=seed, clusters=list(trajectory_ids))
         )
+    report["breakdown"] = {"candidate": action_breakdown(logged, candidate), "champion": action_breakdown(logged, champion)}
     return report

@@ -4,7 +4,7 @@ bootstrap that tests its paired difference, against hand computations."""
 import pytest
 
 from flow_assets.rl.eval_stats import paired_bootstrap
-from flow_assets.rl.next_action import ANSWER, Action, next_action_report, same_arguments, score_action
+from flow_assets.rl.next_action import ANSWER, Action, action_breakdown, next_action_report, same_arguments, score_action
 
 
 def test_arguments_compare_as_json_values():
@@ -41,6 +41,21 @@ def test_report_counts_by_hand():
     assert report["difference"]["name"]["mean_diff"] == pytest.approx(2 / 3)
     assert report["difference"]["name_and_arguments"]["mean_diff"] == pytest.approx(2 / 3)
     assert report["difference"]["name"]["n_clusters"] == 2
+    # what each did on the logged answer turn (1) and the logged tool turns (2)
+    assert report["breakdown"]["champion"] == {
+        "answer_turns": {"n": 1, "answered": 0, "called": 0, "unparsed": 1},
+        "tool_turns": {"n": 2, "answered": 0, "called": 2, "unparsed": 0, "right_name": 1, "right_arguments": 0},
+    }
+    assert report["breakdown"]["candidate"]["tool_turns"] == {"n": 2, "answered": 0, "called": 2, "unparsed": 0, "right_name": 2, "right_arguments": 1}
+
+
+def test_breakdown_separates_answering_from_calling():
+    logged = [Action(ANSWER), Action(ANSWER), Action("search", {"q": "a"})]
+    always_text = action_breakdown(logged, [Action(ANSWER)] * 3)
+    assert always_text["answer_turns"]["answered"] == 2 and always_text["tool_turns"]["answered"] == 1
+    assert always_text["tool_turns"]["right_name"] == 0
+    with pytest.raises(ValueError, match="2 predicted"):
+        action_breakdown(logged, [None, None])
 
 
 def test_report_refuses_unpaired_inputs():
