@@ -282,7 +282,12 @@ def run_text_comparison(
     }
     config = EvaluationConfig(max_tasks=len(held_out), concurrency=eval_concurrency, timeout_s=3600.0, modes=tuple(modes),
                               sampled_temperature=TEMPERATURE)  # fmt: skip
-    rows, _ = evaluate_agents(store, source, word_problem_agent, tasks.agent_id, held_out, policies, config, root / "final-eval")
+    # one policy at a time (416 rollouts in flight, not 1,248): all three at once went past 24 GB
+    # on this machine and were killed; one at a time peaked at 20.4 GB (2026-11-27)
+    rows = pl.concat([
+        evaluate_agents(store, source, word_problem_agent, tasks.agent_id, held_out, {name: ref}, config, root / "final-eval" / name)[0]
+        for name, ref in policies.items()
+    ])  # fmt: skip
     eval_seconds = time.perf_counter() - t0
     pairs = {"text_vs_base": pair_report(rows, "text", "base"), "captured_vs_base": pair_report(rows, "captured", "base"),
              "text_vs_captured": pair_report(rows, "text", "captured")}  # fmt: skip
