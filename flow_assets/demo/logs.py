@@ -76,7 +76,8 @@ TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction
 #: list): AWR's filtered behaviour cloning, each conversation ONE packed sample (its assistant
 #: turns in the loss, ``text_training_samples(pack=True)``), one conversation a pass with
 #: gradient checkpointing (memory: without it one pass went past 24 GB and was killed); 4 steps
-#: of 4 conversations, as a step takes about 4 minutes on two CPU cores (#28's 30 minutes)
+#: of 4 conversations: a step took ~6 minutes on two CPU cores (1,452 s for 4 on 2026-11-27), so
+#: even these 16 conversations do not fit #28's 30 minutes with the evaluation (785 s)
 TAU_BENCH_TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=4, minibatch_size=4, micro_batch_size=1, save_steps=1000,
                                     gradient_checkpointing=True,
                                     awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
