@@ -423,6 +423,13 @@ def _row(chain: list[tuple[int, list[int], list[int]]], logprobs: list[list[floa
     return TrainingRow(ids, mask, turn_index, tuple(t for t, _, _ in chain), sum(captured), behaviour)
 
 
+def cut_steps(trajectory: Trajectory) -> set[int]:
+    """The steps of replies the log says were cut at their token cap (``metadata.cut_steps``,
+    from an assistant message's ``finish_reason: "length"``): their turns are rendered without the
+    template's closing end-of-turn token, as the policy wrote them."""
+    return {int(i) for i in trajectory.metadata.get("cut_steps") or []}
+
+
 def _turn_ids(
     tokenizer: PreTrainedTokenizerBase,
     conversation: LoggedConversation,
@@ -446,6 +453,8 @@ def _turn_ids(
     prompt, completion = assistant_turn_ids(tokenizer, conversation.messages, turn.message_index, conversation.tools, fmt)
     if step is not None and step.token_ids is not None:  # completion ids captured without their prompt
         return _TurnIds(k, prompt, list(step.token_ids), True, step.logprobs)
+    if trajectory is not None and completion[-1:] == [tokenizer.eos_token_id] and set(turn.steps) & cut_steps(trajectory):
+        completion = completion[:-1]  # cut at its token cap: the policy never sampled the end-of-turn token
     return _TurnIds(k, prompt, completion, False)
 
 

@@ -161,6 +161,20 @@ def test_context_messages_are_kept_as_the_agents_context_and_not_trained_as_its_
     assert (quarantined.line, quarantined.field) == (3, "metadata.context_messages")
 
 
+def test_a_reply_cut_at_its_token_cap_lists_its_steps(tmp_path):
+    """``finish_reason: "length"`` on an assistant message names that reply's steps in
+    ``metadata.cut_steps``; other finish reasons and unmarked messages add nothing."""
+    messages = [{"role": "user", "content": "Add 2 and 3."},
+                {"role": "assistant", "content": "Let me think", "finish_reason": "length"},
+                {"role": "user", "content": "Go on."},
+                {"role": "assistant", "content": "5", "finish_reason": "stop"}]  # fmt: skip
+    cut, whole = {"messages": messages, "task_id": "t1"}, {"messages": [m for m in messages if m.get("finish_reason") != "length"], "task_id": "t2"}
+    result = parse_file(_write_jsonl(tmp_path / "agent-log.jsonl", [cut, whole]))
+    first, second = (v.trajectory for v in result.valid)
+    assert [s.output for s in first.steps] == ["Let me think", "5"]
+    assert first.metadata["cut_steps"] == [0] and "cut_steps" not in second.metadata
+
+
 # --- anthropic-messages -----------------------------------------------------------------------
 
 

@@ -95,7 +95,9 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     """One chat message. ``tool_call_id`` (OpenAI) or ``id`` (tau2) ties a tool message to its
-    call; ``error`` is tau2's flag on a failed tool call; ``timestamp`` is ISO 8601 (tau2)."""
+    call; ``error`` is tau2's flag on a failed tool call; ``timestamp`` is ISO 8601 (tau2);
+    ``finish_reason`` on an assistant message is the API's for the reply it was (``"length"``: cut
+    at its token cap), where the log kept it."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -106,6 +108,7 @@ class ChatMessage(BaseModel):
     id: str | None = None
     error: bool | None = None
     timestamp: str | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,11 @@ class ChatEpisode:
     system_prompt: str | None
     #: per assistant message that yielded steps: ``[position in the conversation, [step indices]]``
     message_steps: list[list[Any]]
+
+    def cut_steps(self, messages: list[ChatMessage]) -> list[int]:
+        """The steps of the assistant messages of ``messages`` (the conversation this episode
+        was made from) whose ``finish_reason`` is ``"length"``: replies cut at their token cap."""
+        return [i for position, indices in self.message_steps if messages[position].finish_reason == "length" for i in indices]
 
 
 def _instant(stamp: str | None) -> datetime | None:

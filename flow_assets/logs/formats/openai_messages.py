@@ -22,6 +22,11 @@ docs/log-format.md), each read at the top level, then inside ``metadata`` (:func
   (:func:`flow_assets.policy.rollouts.text_training_samples`).
 * ``temperature`` (a number >= 0): the sampling temperature the agent was served at, copied
   to ``metadata.temperature`` (where the text path reads the behaviour policy's temperature).
+
+An assistant message may carry the API's ``finish_reason`` for the reply it was; the steps of a
+reply cut at its token cap (``"length"``) are listed in ``metadata.cut_steps``, and the text path
+renders such a turn without the end-of-turn token the template would close it with (the policy
+never sampled one).
 """
 
 from __future__ import annotations
@@ -118,6 +123,8 @@ def openai_chat_trajectory(record: dict[str, Any], default_id: str, stem: str) -
     system = next((m.content or "" for m in chat.messages[:n] if m.role == "system"), episode.system_prompt)
     model = record.get("model")
     metadata = chat_metadata(FORMAT, record, model, system)
+    if cut := episode.cut_steps(chat.messages[n:]):
+        metadata["cut_steps"] = cut
     if n:
         metadata["context"] = normalised[:n]
         if isinstance(record.get("tools"), list):

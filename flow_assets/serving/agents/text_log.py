@@ -11,7 +11,8 @@ appended to a JSONL file in the ``openai-chat`` format (docs/log-format.md)::
      "metadata": {"temperature": 0.5, "context_messages": 8}}
 
 ``messages`` is the last call's request followed by its reply: the whole conversation the
-policy saw and wrote (tool results of calls made after the last LLM call were never shown to
+policy saw and wrote (an assistant message that was a reply cut at its token cap carries that
+reply's ``finish_reason: "length"``) (tool results of calls made after the last LLM call were never shown to
 the policy and are not logged). ``adapter_version`` is the version the server reported for
 the last call (``system_fingerprint``, which the flowopt gateway sets to the adapter that
 answered; ``null`` where a server reports none); ``reward`` and ``success`` are the task
@@ -38,19 +39,24 @@ if TYPE_CHECKING:
 
 
 class _RecordingCompletions:
-    """``client.chat.completions`` that remembers the last request and reply."""
+    """``client.chat.completions`` that remembers the last request and reply, and every reply's
+    text with its ``finish_reason``."""
 
     def __init__(self, completions: Any):
         self._completions = completions
         self.request: dict[str, Any] | None = None
         self.response: Any = None
         self.calls = 0
+        #: ``(content, finish_reason)`` of each reply, in order
+        self.finishes: list[tuple[str | None, str | None]] = []
 
     async def create(self, **kwargs: Any) -> Any:
         """Forward to the real ``create``; keep a copy of the request's messages and tools."""
         response = await self._completions.create(**kwargs)
         self.request = {**kwargs, "messages": [dict(m) if isinstance(m, dict) else m for m in kwargs.get("messages", [])]}
         self.response, self.calls = response, self.calls + 1
+        choice = response.choices[0]
+        self.finishes.append((choice.message.content, choice.finish_reason))
         return response
 
 
@@ -87,6 +93,13 @@ def episode_record(
     reply = recorder.response.choices[0].message.model_dump(exclude_none=True)
     reply = {k: v for k, v in reply.items() if k in ("role", "content", "tool_calls")}
     messages = [*recorder.request["messages"], reply]
+    # the episode's assistant messages are its replies in order, as the agent sent them back; a
+    # reply cut at its token cap says so (``finish_reason``), so training does not close it with
+    # an end-of-turn token the policy never sampled
+    replies = [i for i, m in enumerate(messages) if i >= context_messages and isinstance(m, dict) and m.get("role") == "assistant"]
+    for i, (content, finish) in zip(replies, recorder.finishes):
+        if finish == "length" and messages[i].get("content") == content:
+            messages[i] = {**messages[i], "finish_reason": finish}
     asked = recorder.request.get("temperature")
     served = temperature if temperature is not None else asked
     metadata: dict[str, Any] = {"context_messages": context_messages, "llm_calls": recorder.calls}
