@@ -11,9 +11,9 @@ appended to a JSONL file in the ``openai-chat`` format (docs/log-format.md)::
      "metadata": {"temperature": 0.5, "context_messages": 8}}
 
 ``messages`` is the last call's request followed by its reply: the whole conversation the
-policy saw and wrote (an assistant message that was a reply cut at its token cap carries that
-reply's ``finish_reason: "length"``) (tool results of calls made after the last LLM call were never shown to
-the policy and are not logged). ``adapter_version`` is the version the server reported for
+policy saw and wrote (tool results of calls made after the last LLM call were never shown to
+the policy and are not logged); an assistant message that was a reply cut at its token cap
+carries that reply's ``finish_reason: "length"``. ``adapter_version`` is the version the server reported for
 the last call (``system_fingerprint``, which the flowopt gateway sets to the adapter that
 answered; ``null`` where a server reports none); ``reward`` and ``success`` are the task
 source's verifier on the agent's answer (success: reward 1). ``metadata.context_messages``
