@@ -100,9 +100,11 @@ def id_agreement(captured: list, text: list, eos_id: int) -> dict:
 
     Returns:
         ``finished`` / ``finished_equal``: captured turns ending with ``eos_id``, and those whose
-        ``(prompt, completion)`` ids are among the text rows'; ``cut`` / ``cut_equal_but_eos``:
-        turns cut at their cap, and those whose text row is the captured ids plus ``eos_id`` (the
-        template closes every turn it renders); ``captured_rows`` / ``text_rows``.
+        ``(prompt, completion)`` ids are among the text rows'; ``cut`` / ``cut_equal`` /
+        ``cut_equal_but_eos``: turns cut at their cap, those whose ids are among the text rows'
+        (the log said they were cut: ``finish_reason``), and those whose text row is the captured
+        ids plus ``eos_id`` (a log that did not say so: the template closes every turn it
+        renders); ``captured_rows`` / ``text_rows``.
     """
     rendered = {(tuple(s.prompt_ids), tuple(s.completion_ids)) for s in text}
     finished = [s for s in captured if s.completion_ids[-1:] == [eos_id]]
@@ -113,6 +115,7 @@ def id_agreement(captured: list, text: list, eos_id: int) -> dict:
         "finished": len(finished),
         "finished_equal": sum((tuple(s.prompt_ids), tuple(s.completion_ids)) in rendered for s in finished),
         "cut": len(cut),
+        "cut_equal": sum((tuple(s.prompt_ids), tuple(s.completion_ids)) in rendered for s in cut),
         "cut_equal_but_eos": sum((tuple(s.prompt_ids), (*s.completion_ids, eos_id)) in rendered for s in cut),
     }
 
@@ -270,7 +273,7 @@ def run_text_comparison(
     print(f"turn rows: A {summaries['captured'].num_samples} (captured), B {summaries['text'].num_samples} (text; "
           f"{len(text.skipped)} turns skipped{': ' + '; '.join(skipped_reasons) if skipped_reasons else ''})")
     print(f"ids re-rendered from the text equal the captured ones: {agreement['finished_equal']} of {agreement['finished']} finished turns; "
-          f"{agreement['cut_equal_but_eos']} of {agreement['cut']} turns cut at their cap differ only by the closing end-of-turn token")
+          f"of the {agreement['cut']} turns cut at their cap, {agreement['cut_equal']} equal and {agreement['cut_equal_but_eos']} differ only by a closing end-of-turn token")
     # 4. base, A and B on every held-out task
     held_out = source.tasks("held_out")[:final_tasks]
     print(f"\nv0, A (captured) and B (text) on {len(held_out)} held-out tasks, {' and '.join(modes)} ...", flush=True)

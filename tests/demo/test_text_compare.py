@@ -18,10 +18,11 @@ def _sample(prompt: list[int], completion: list[int]) -> TrainingSample:
 
 
 def test_id_agreement_counts_finished_turns_and_cut_turns_apart():
-    captured = [_sample([1, 5], [7, EOS]), _sample([1, 6], [8, EOS]), _sample([1, 5, 7, EOS, 9], [3, 3]), _sample([1, 4], [4])]
-    text = [_sample([1, 5], [7, EOS]), _sample([1, 6, 0], [8, EOS]), _sample([1, 5, 7, EOS, 9], [3, 3, EOS])]
+    captured = [_sample([1, 5], [7, EOS]), _sample([1, 6], [8, EOS]), _sample([1, 5, 7, EOS, 9], [3, 3]), _sample([1, 4], [4]),
+                _sample([1, 3], [6, 6])]
+    text = [_sample([1, 5], [7, EOS]), _sample([1, 6, 0], [8, EOS]), _sample([1, 5, 7, EOS, 9], [3, 3, EOS]), _sample([1, 3], [6, 6])]
     assert id_agreement(captured, text, EOS) == {
-        "captured_rows": 4, "text_rows": 3, "finished": 2, "finished_equal": 1, "cut": 2, "cut_equal_but_eos": 1,
+        "captured_rows": 5, "text_rows": 4, "finished": 2, "finished_equal": 1, "cut": 3, "cut_equal": 1, "cut_equal_but_eos": 1,
     }  # fmt: skip
 
 
