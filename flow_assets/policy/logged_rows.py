@@ -437,8 +437,10 @@ def _turn_ids(
     trajectory: Trajectory | None,
     use_captured_ids: bool,
     fmt: ChatFormat,
+    cut: set[int] = frozenset(),
 ) -> _TurnIds:
-    """The ids of turn ``k``: captured where the step has them, else rendered.
+    """The ids of turn ``k``: captured where the step has them, else rendered (without the
+    closing end-of-turn token where one of its steps is in ``cut``: :func:`cut_steps`).
 
     Raises:
         ValueError / jinja2.TemplateError: the turn cannot be rendered (unknown context, a
@@ -453,7 +455,7 @@ def _turn_ids(
     prompt, completion = assistant_turn_ids(tokenizer, conversation.messages, turn.message_index, conversation.tools, fmt)
     if step is not None and step.token_ids is not None:  # completion ids captured without their prompt
         return _TurnIds(k, prompt, list(step.token_ids), True, step.logprobs)
-    if trajectory is not None and completion[-1:] == [tokenizer.eos_token_id] and set(turn.steps) & cut_steps(trajectory):
+    if completion[-1:] == [tokenizer.eos_token_id] and set(turn.steps) & cut:
         completion = completion[:-1]  # cut at its token cap: the policy never sampled the end-of-turn token
     return _TurnIds(k, prompt, completion, False)
 
@@ -485,9 +487,10 @@ def conversation_training_rows(
     """
     fmt = fmt or chat_format(tokenizer)
     done, skipped = [], []
+    cut = cut_steps(trajectory) if trajectory is not None else set()
     for k in range(len(conversation.turns)):
         try:
-            done.append(_turn_ids(tokenizer, conversation, k, trajectory, use_captured_ids, fmt))
+            done.append(_turn_ids(tokenizer, conversation, k, trajectory, use_captured_ids, fmt, cut))
         except (ValueError, jinja2.TemplateError) as exc:
             skipped.append((k, str(exc)))
     vocabulary = len(tokenizer)
