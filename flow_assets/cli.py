@@ -146,6 +146,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         rollout_timeout_s=args.rollout_timeout,
         source=args.source,
         limits=limits,
+        max_batch_total_tokens=args.max_batch_total_tokens,
     )
     gateway = make_gateway(store, landing, config=config)
     print(
@@ -554,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--source", default="gateway", help="landing sub-directory of rollouts that name no batch")
     serve.add_argument("--batch-size", type=int, default=1024, help="rollouts per landed batch (default 1024)")
     serve.add_argument("--flush-seconds", type=float, default=300.0, help="a batch lands at the latest this long after its first rollout")
+    serve.add_argument("--max-batch-total-tokens", type=int, default=None,
+                       help="most token slots (rows x longest prompt and cap, padding included) of the running batch's cache; "
+                            "default: what 2 GiB holds for the model")  # fmt: skip
     serve.add_argument("--rollout-timeout", type=float, default=600.0, help="an idle, unfinished rollout lands unlabelled (for the judge) after this many seconds")
     serve.add_argument("--tokens-file", default=None, help="bearer tokens, one a line, besides $FLOWOPT_GATEWAY_TOKENS (comma-separated); "
                        "required to bind beyond loopback")  # fmt: skip

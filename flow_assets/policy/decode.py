@@ -164,6 +164,16 @@ class _RowCache:
         return keys[:, :, :end], values[:, :, :end]
 
 
+def _select_rows(cache: _RowCache, index: torch.Tensor) -> None:
+    """Keep only the rows ``index`` of ``cache``, one layer at a time (each layer's old tensor is
+    released before the next is copied, so memory peaks one layer above the result)."""
+    for tensors in (cache.keys, cache.values):
+        for layer, x in enumerate(tensors):
+            tensors[layer] = None
+            tensors[layer] = x.index_select(0, index)
+            del x
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive float mask attention takes (0 where allowed, the dtype's
     minimum elsewhere: a row with nothing allowed gets uniform weights, never NaN)."""
@@ -213,6 +223,31 @@ class RowDecoder:
     def size(self) -> int:
         """Rows decoding now."""
         return self.live
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of the cache per token slot of a row: keys and values of every layer
+        (``2 * layers * kv_heads * head_dim * element size``; 46,080 for SmolLM2-135M in float32)."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return 2 * self.layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+
+    def footprint(self) -> tuple[int, int, int]:
+        """What the running batch needs of a merged cache: ``(rows, span, remaining)``, the rows
+        still decoding, the columns their tokens span (from the first column any of them uses to
+        the last written) and the most completion tokens any of them may still add.
+
+        Adding ``b`` rows of prompts up to ``p`` tokens and caps up to ``m`` tokens makes the
+        cache ``(rows + b) * (max(span, p) + max(remaining, m - 1))`` token slots (:meth:`_merge`;
+        the first token of a new row comes from its prefill)."""
+        if not self.live:
+            return 0, 0, 0
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        used = self.valid[live, : self.cache.length].any(0).nonzero()
+        span = self.cache.length - int(used[0]) if len(used) else 0
+        return len(live), span, max(r.max_tokens - len(r.tokens) for r in self.rows if r is not None)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: _RowCache) -> torch.Tensor:
         """Logits ``[rows, vocab]`` after the last column of ``ids: [rows, q]``; ``allowed:
@@ -364,14 +399,18 @@ class RowDecoder:
                 keep.append(i)
         if keep:
             index = torch.tensor(keep)
-            new = _RowCache(self.layers, length, capacity, [k.index_select(0, index) for k in cache.keys],
-                            [v.index_select(0, index) for v in cache.values])  # fmt: skip
-            self._merge([rows[i] for i in keep], new, valid.index_select(0, index), torch.tensor(tokens)[index],
+            if len(keep) < n:  # rows done at their first token leave before the merge
+                _select_rows(cache, index)
+            self._merge([rows[i] for i in keep], cache, valid.index_select(0, index), torch.tensor(tokens)[index],
                         torch.tensor([len(rows[i].prompt_ids) for i in keep]), states[keep])  # fmt: skip
         return done
 
     def _merge(self, rows, cache: _RowCache, valid, last, positions, states) -> None:
-        """Join prefilled ``rows`` (their cache right-aligned at ``cache.length``) to the batch."""
+        """Join prefilled ``rows`` (their cache right-aligned at ``cache.length``) to the batch.
+
+        The merged cache is built one layer at a time and each layer of the two it comes from is
+        released once copied, so memory peaks one layer above the merged cache, not at twice it;
+        ``cache`` is consumed. An error part-way (out of memory) leaves the decoder unusable."""
         if not self.live:
             self.rows, self.cache, self.valid, self.last, self.positions = list(rows), cache, valid, last, positions
             self.states, self.draws = states, np.ones(len(rows), dtype=np.uint64)
@@ -389,13 +428,18 @@ class RowDecoder:
         everyone = [*(self.rows[i] for i in keep), *rows]
         capacity = length + max(r.max_tokens - len(r.tokens) for r in everyone)
         a, b = len(keep), len(rows)
+        every = a == len(self.rows)
         keys, values = [], []
         for ours, theirs, out in ((old.keys, cache.keys, keys), (old.values, cache.values, values)):
-            for x, y in zip(ours, theirs):
+            for layer in range(len(ours)):
+                x, y = ours[layer], theirs[layer]
+                ours[layer] = theirs[layer] = None
                 z = x.new_zeros((a + b, x.shape[1], capacity, x.shape[3]))
-                z[:a, :, length - kept : length] = x.index_select(0, index)[:, :, start : old.length]
+                part = x[:, :, start : old.length]
+                z[:a, :, length - kept : length] = part if every else part.index_select(0, index)
                 z[a:, :, length - cache.length : length] = y[:, :, : cache.length]
                 out.append(z)
+                del x, y, part
         merged = torch.zeros((a + b, capacity), dtype=torch.bool)
         merged[:a, length - kept : length] = mine[:, start : old.length]
         merged[a:, length - cache.length : length] = valid[:, : cache.length]
@@ -465,9 +509,7 @@ class RowDecoder:
 
     def _keep(self, keep: list[int]) -> None:
         index = torch.tensor(keep)
-        cache = self.cache
-        cache.keys = [k.index_select(0, index) for k in cache.keys]
-        cache.values = [v.index_select(0, index) for v in cache.values]
+        _select_rows(self.cache, index)
         self.valid = self.valid.index_select(0, index)
         self.last, self.positions = self.last[index], self.positions[index]
         self.states, self.draws = self.states[keep], self.draws[keep]

@@ -152,3 +152,54 @@ def test_a_cancelled_call_ends_at_the_next_token_and_its_batch_mates_sample_what
         assert batcher.submit(early).result(timeout=60)[0].completion_ids == []
     finally:
         batcher.close()
+
+
+def _cache_slots(decoder) -> tuple[int, int]:
+    """Token slots of a decoder's cache (rows x capacity) and the bytes its tensors hold."""
+    cache = decoder.cache
+    tensors = [t for t in cache.keys + cache.values if t is not None]
+    return len(decoder.rows) * cache.capacity, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_the_footprint_predicts_the_merged_cache_and_merging_releases_the_old_layers(policy):
+    model, tok = policy
+    prompts = _prompts(tok)
+    decoder = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+    assert decoder.footprint() == (0, 0, 0)
+    decoder.add([DecodeRow(p, 0.8, 1.0, 30, s) for p, s in zip(prompts[:2], row_streams(5, 2))])
+    for _ in range(4):
+        decoder.step()
+    old = decoder.cache
+    rows, span, remaining = decoder.footprint()
+    assert rows == decoder.size == 2 and remaining == 30 - 5  # 1 token from the prefill, 4 decoded
+    new = [DecodeRow(p, 0.8, 1.0, 12, s) for p, s in zip(prompts[2:], row_streams(6, 3))]
+    predicted = (rows + len(new)) * (max(span, max(len(p) for p in prompts[2:])) + max(remaining, 12 - 1))
+    decoder.add(new)
+    slots, nbytes = _cache_slots(decoder)
+    assert decoder.size == 5 and slots == predicted  # nothing finished at its first token here
+    assert nbytes == slots * decoder.token_bytes  # keys and values of every layer, per slot
+    assert all(t is None for t in old.keys + old.values)  # the old cache's layers were let go
+
+
+def test_a_batch_token_budget_holds_rows_back_and_changes_no_completion(engine, fresh_policy_dir):
+    adapter = str(fresh_policy_dir / "adapters" / "v0")
+    texts = ["12*34", "5+5", "7*8+1", "99-3", "2*2*2", "40/8"]
+
+    def run(budget):
+        batcher = ContinuousBatcher(engine.activate, engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id,
+                                    engine.max_positions, max_batch_total_tokens=budget)  # fmt: skip
+        try:
+            futures = [batcher.submit(_request(engine, t, adapter, seed=i, n=2, max_tokens=24)) for i, t in enumerate(texts)]
+            return [[r.completion_ids for r in f.result(timeout=120)] for f in futures], batcher.peak_total_tokens, batcher.batches
+        finally:
+            batcher.close()
+
+    one = _request(engine, texts[0], adapter, max_tokens=24)
+    per_row = len(one.prompt_ids) + 24 - 1  # a lone row's slots
+    free, free_peak, _ = run(None)  # the default budget holds all 12 rows of these short prompts
+    tight, tight_peak, admissions = run(4 * per_row + 8)
+    assert tight == free  # seeded rows sample the same whatever the batch they join
+    assert free_peak >= 12 * per_row - 12 * 4  # every row admitted together (prompts differ by a few tokens)
+    assert tight_peak <= 4 * per_row + 8 and admissions >= 3  # at most 4 rows at a time, so several admissions
+    with pytest.raises(ValueError, match="max_batch_total_tokens"):
+        ContinuousBatcher(engine.activate, 0, 0, max_batch_total_tokens=0)

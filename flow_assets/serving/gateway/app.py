@@ -115,6 +115,10 @@ class GatewayConfig:
             the running batch at the next token, :class:`~flow_assets.serving.gateway.batcher.ContinuousBatcher`);
             ``False``, or the vLLM backend (which batches continuously itself): the dynamic batcher,
             which generates each batch to its end before it starts the next.
+        max_batch_total_tokens: with continuous batching, most token slots of the running batch's
+            cache, padding included (:class:`~flow_assets.serving.gateway.batcher.ContinuousBatcher`);
+            ``None``: what :data:`~flow_assets.serving.gateway.batcher.DEFAULT_CACHE_BYTES` holds
+            for the served model.
     """
 
     max_batch_rows: int = 256
@@ -128,6 +132,7 @@ class GatewayConfig:
     seed: int = 0
     limits: RequestLimits = field(default_factory=RequestLimits)
     continuous: bool = True
+    max_batch_total_tokens: int | None = None
 
 
 class Gateway:
@@ -149,7 +154,7 @@ class Gateway:
         if c.continuous and engine.backend == "transformers":
             tok = engine.tokenizer
             self.batcher = ContinuousBatcher(engine.activate, tok.eos_token_id, tok.pad_token_id, engine.max_positions,
-                                             c.max_batch_rows, c.max_wait_ms, c.seed)  # fmt: skip
+                                             c.max_batch_rows, c.max_wait_ms, c.seed, c.max_batch_total_tokens)  # fmt: skip
         else:
             self.batcher = DynamicBatcher(engine.generate, c.max_batch_rows, c.max_wait_ms, c.seed)
         self.recorder = RolloutRecorder(self.config.rollout_timeout_s)

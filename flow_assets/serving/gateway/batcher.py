@@ -32,6 +32,14 @@ the batcher's generator. A request with a ``constraint`` (``response_format`` / 
 gives each of its rows its own matcher of it and its own budget (which keeps the row able to
 complete the grammar within its ``max_tokens``): those rows sample under the grammar's token mask,
 the others as they would without them.
+
+Memory. The running batch's cache holds every row padded to the longest (right-aligned, see
+:mod:`~flow_assets.policy.decode`), so it costs ``rows * (longest prompt + largest cap)`` token
+slots however short most rows are. ``max_batch_total_tokens`` bounds that product (TGI's setting of
+the same name bounds the same padded count): a request that would push the merged cache past it
+waits for rows to finish, as one past ``max_batch_rows`` does. Unset, it is what
+:data:`DEFAULT_CACHE_BYTES` holds for the model being served. Without it, 416 word-problem agents
+on SmolLM2-135M-Instruct (256 rows of ~430 slots, 46 KB each) took the evaluation to 14.4 GB.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flow_assets.policy.configs import Rollout, SamplingConfig
+
+#: the cache the continuous batcher sizes its batch for when ``max_batch_total_tokens`` is unset,
+#: bytes (2 GiB: 46,603 token slots of SmolLM2-135M in float32); merging new rows into the running
+#: batch holds about twice it for a moment
+DEFAULT_CACHE_BYTES = 2 * 2**30
 
 if TYPE_CHECKING:  # torch is imported when the worker starts decoding, not with the gateway's code
     from flow_assets.policy.decode import DecodeRow
@@ -221,6 +234,10 @@ class ContinuousBatcher:
         max_wait_ms: when no row is decoding, how long the worker waits for one more request
             before it starts (later ones join at the next token anyway).
         seed: seeds the seeds given to requests without one.
+        max_batch_total_tokens: most token slots of the running batch's cache, padding included
+            (rows times the longest prompt plus the largest remaining cap; module docstring); a
+            request that would pass it waits for rows to finish (one larger than it runs alone).
+            ``None``: :data:`DEFAULT_CACHE_BYTES` over the model's bytes per slot.
     """
 
     def __init__(
@@ -232,11 +249,16 @@ class ContinuousBatcher:
         max_batch_rows: int = 256,
         max_wait_ms: float = 3.0,
         seed: int = 0,
+        max_batch_total_tokens: int | None = None,
     ):
+        if max_batch_total_tokens is not None and max_batch_total_tokens < 1:
+            raise ValueError(f"max_batch_total_tokens must be at least 1, got {max_batch_total_tokens}")
         self._activate = activate
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.max_positions = max_positions
         self.max_batch_rows = max_batch_rows
+        self.max_batch_total_tokens = max_batch_total_tokens
+        self.peak_total_tokens = 0  # the largest cache admitted, token slots (padding included)
         self.max_wait_s = max_wait_ms / 1000.0
         self._rng = np.random.default_rng(seed)
         self._queue: queue.Queue[GenerationRequest | None] = queue.Queue()
@@ -323,9 +345,13 @@ class ContinuousBatcher:
 
         rows: list[DecodeRow] = []
         adapter = waiting[0].adapter_path
+        limit = self.max_batch_total_tokens or max(1, DEFAULT_CACHE_BYTES // decoder.token_bytes)
+        count, span, remaining = decoder.footprint()
         while waiting and waiting[0].adapter_path == adapter:
             request = waiting[0]
-            if decoder.size + len(rows) + request.n > self.max_batch_rows and (decoder.size or rows):
+            wide, long = max(span, len(request.prompt_ids)), max(remaining, request.max_tokens - 1)
+            slots = (count + request.n) * (wide + long)
+            if (count + request.n > self.max_batch_rows or slots > limit) and count:
                 break
             waiting.popleft()
             if request.cancelled:
@@ -351,6 +377,8 @@ class ContinuousBatcher:
                 pending.rows.append(rows[-1])
                 pending.reported.append(0)
             running.append(pending)
+            count, span, remaining = count + request.n, wide, long
+            self.peak_total_tokens = max(self.peak_total_tokens, slots)
         if rows:
             self.batches += 1
             self.rows += len(rows)
