@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import math
 import shutil
@@ -30,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from flow_assets.core.atomic import write_json_atomic
+from flow_assets.core.memory import release_free_memory
 from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
 from flow_assets.serving.gateway.app import GatewayConfig
 from flow_assets.serving.gateway.engine import AdapterRef
@@ -621,10 +623,16 @@ def evaluate_agents(
     ``config.sampled_temperature``), side by side through one in-process gateway; the rollouts do
     not land (held-out tasks never train).
 
+    Before and after, the memory the allocator kept from the phase before (a training run's
+    tensors, the decoding cache) goes back to the system (:func:`~flow_assets.core.memory.release_free_memory`),
+    so a process that trains and then evaluates peaks at the larger of the two, not their sum.
+
     Returns:
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
     """
     started = time.perf_counter()
+    gc.collect()  # a trained model's reference cycles (PEFT wrappers) go before the release
+    release_free_memory()
     with serve_policy(store, scratch_dir, extra=policies) as server:
 
         async def everything():
@@ -640,6 +648,7 @@ def evaluate_agents(
             return dict(zip(runs, done))
 
         results = asyncio.run(everything())
+    release_free_memory()
     rows = [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]
     return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started
 
