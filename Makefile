@@ -28,7 +28,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
 PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
-.PHONY: install demo demo-real demo-logs demo-text test ui bench clean
+.PHONY: install install-bfcl demo demo-real demo-logs demo-text test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,18 @@ $(BIN)/.installed-smollm2: $(BIN)/.installed
 
 demo-real: $(BIN)/.installed-smollm2
 	$(BIN)/flowopt demo-real
+
+# BFCL v4 for the bfcl task source (flow_assets/tasks/bfcl.py): bfcl-eval without its declared
+# dependencies (they pin numpy 1.26.4, networkx and filelock and pull every vendor SDK; its checker
+# path imports none of them), after the few it does import (the bfcl extra). `make test` runs
+# without it (tests/tasks/test_bfcl.py skips); .ci/run installs it.
+BFCL_SPEC ?= bfcl-eval==2026.3.23
+$(BIN)/.installed-bfcl: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[bfcl]'
+	$(BIN)/python -m pip install --quiet --no-deps "$(BFCL_SPEC)"
+	touch $@
+
+install-bfcl: $(BIN)/.installed-bfcl
 
 # SmolLM2 trained on real logs another model wrote (tau-bench's GPT-4o airline conversations;
 # FAMILY=fireact for FireAct's ReAct runs), evaluated offline on held-out tasks' next actions
