@@ -210,3 +210,35 @@ def test_bad_entries_name_file_line_and_field(monkeypatch, api):
     with pytest.raises(ValueError, match="unknown BFCL categor"):
         BfclSource(BfclSourceConfig(categories=("live_simple",)))
     assert set(CATEGORIES) == set(SIZES)
+
+
+def test_the_bfcl_agent_answers_through_the_gateway_and_is_scored_on_its_message(source, tmp_path):
+    import asyncio
+    from functools import partial
+
+    from flow_assets.policy.sft import SFTConfig
+    from flow_assets.policy.store import PolicyStore
+    from flow_assets.policy.tiny_model import TinyModelConfig
+    from flow_assets.training.rounds import build_base_policy
+    from resources.registry import AdapterRegistry
+    from flow_assets.serving.agents.builtin import bfcl_agent
+    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
+    from flow_assets.serving.gateway.serve import serve_policy
+
+    # the tiny model with room for BFCL's tool specifications (its default context is 128 positions)
+    models = tmp_path / "models"
+    build_base_policy(PolicyStore(str(models)), AdapterRegistry(root=str(models)), source, TinyModelConfig(max_position_embeddings=2048),
+                      SFTConfig(steps=0), 1, by="test")  # fmt: skip
+    picked = [ts[0] for ts in by_category(source.tasks("held_out")).values()]  # one task of each category
+    landing = tmp_path / "landing"
+    with serve_policy(PolicyStore(str(models)), landing) as server:
+        results = asyncio.run(run_rollouts(server.url, partial(bfcl_agent, max_tokens=16), picked, source.score, 1, agent_id="flowopt:bfcl",
+                                           batch="b", source="bfcl", config=HarnessConfig(temperature=0.0)))  # fmt: skip
+    tasks = {t.task_id: t for t in picked}
+    assert len(results) == len(picked) and all(r.error is None and r.llm_calls == 1 for r in results)
+    for r in results:
+        message = json.loads(r.answer)
+        assert message["role"] == "assistant"
+        assert r.score == source.score(tasks[r.task_id], r.answer)  # the harness scored the message BFCL's way
+    (landed,) = landing.rglob("*.jsonl")
+    assert sorted(json.loads(line)["task_id"] for line in landed.read_text().splitlines()) == sorted(tasks)  # every call captured

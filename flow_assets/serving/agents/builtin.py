@@ -59,3 +59,21 @@ async def calculator_loop(client: AsyncOpenAI, messages: list[dict], max_turns: 
             result = execute_tool_call(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
+
+
+#: completion cap of a BFCL call, tokens: a Hermes call of BFCL's longer possible answers
+#: (parallel_multiple: four calls with their arguments) runs to about 200
+BFCL_MAX_TOKENS = 256
+
+
+async def bfcl_agent(client: AsyncOpenAI, task: Task, max_tokens: int = BFCL_MAX_TOKENS) -> str | None:
+    """The agent of :class:`~flow_assets.tasks.bfcl.BfclSource`: one call, as BFCL's OpenAI Chat
+    Completions FC handler makes it (the question's messages, the task's own tools as ``tools=``,
+    nothing added), and the assistant message it got back as JSON text, which
+    :meth:`~flow_assets.tasks.bfcl.BfclSource.score` hands to BFCL's parser and checker. The tools
+    are never run: BFCL's AST categories judge the calls, not their results."""
+    response = await client.chat.completions.create(
+        model="policy", messages=task.metadata["messages"], tools=task.metadata["tools"], max_tokens=max_tokens
+    )
+    return response.choices[0].message.model_dump_json()
+
