@@ -117,7 +117,8 @@ def build_base_policy(
     save_tiny_policy(store.base_path, model)
     base, tokenizer = store.load()
     tasks = source.tasks("train")[:demonstrations]
-    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), source.tools)]
+    # a task may carry its own tools (BFCL: each question its functions); else the source's
+    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), t.metadata.get("tools") or source.tools)]
     result = sft_on_rows(base, rows, tokenizer.pad_token_id, sft)
     base.save_pretrained(str(store.base_path))
     register_identity_adapter(store, registry, by, "base policy (SFT warm start)")

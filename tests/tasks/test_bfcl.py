@@ -242,3 +242,13 @@ def test_the_bfcl_agent_answers_through_the_gateway_and_is_scored_on_its_message
         assert r.score == source.score(tasks[r.task_id], r.answer)  # the harness scored the message BFCL's way
     (landed,) = landing.rglob("*.jsonl")
     assert sorted(json.loads(line)["task_id"] for line in landed.read_text().splitlines()) == sorted(tasks)  # every call captured
+
+
+def test_the_task_source_resource_serves_bfcl_with_its_documented_split_and_agent():
+    from flow_assets.serving.agents.builtin import bfcl_agent
+    from resources.tasks import TaskSourceResource
+
+    resource = TaskSourceResource(kind="bfcl")
+    assert len(resource.source().tasks("held_out")) == sum(HELD_OUT.values())  # 30%, not the other kinds' 20
+    assert resource.agent_fn() is bfcl_agent and resource.agent_id == "flowopt:bfcl"
+    assert len(TaskSourceResource(kind="bfcl", held_out_percent=20).source().tasks("held_out")) < sum(HELD_OUT.values())
