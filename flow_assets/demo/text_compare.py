@@ -285,9 +285,10 @@ def run_text_comparison(
     }
     config = EvaluationConfig(max_tasks=len(held_out), concurrency=eval_concurrency, timeout_s=3600.0, modes=tuple(modes),
                               sampled_temperature=TEMPERATURE)  # fmt: skip
-    # one policy at a time (416 rollouts in flight, not 1,248): all three at once went past 24 GB
-    # on this machine and were killed; one at a time peaked at 20.4 GB in a --resume process, but
-    # after collecting and training in the same process it was still killed at 24.6 GB (2026-11-27)
+    # one policy at a time: the batcher decodes one adapter's rows at a time anyway, and each
+    # evaluation starts from the heap the last one handed back. Before the gateway bounded its
+    # cache, all three at once went past 24 GB and one at a time after training reached 24.6 GB;
+    # with it, the whole demo peaked at 11.2 GB (2026-11-27)
     rows = pl.concat([
         evaluate_agents(store, source, word_problem_agent, tasks.agent_id, held_out, {name: ref}, config, root / "final-eval" / name)[0]
         for name, ref in policies.items()
