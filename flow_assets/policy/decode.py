@@ -16,7 +16,8 @@ aligned: all rows write their next token at the same column, a row's own tokens 
 explicit 4-D additive mask and per-row position ids, so every row sees exactly its own tokens at
 positions ``0 .. len - 1``, as it would alone. New rows are prefilled together, a prefix they all
 share (at least :data:`~flow_assets.policy.sampling.MIN_SHARED_PREFIX` tokens) computed once, as in
-``sample_token_ids``; merging copies the running rows once into a cache sized for the longest
+``sample_token_ids``, and rows with the same prompt (a request's ``n`` choices, a GRPO group's
+agents, one task in two evaluation modes) prefilled once and their cache rows copied; merging copies the running rows once into a cache sized for the longest
 remaining completion, and columns no row uses any more are dropped then.
 
 Sampling. A row's next token is drawn exactly as :class:`~flow_assets.policy.sampling.RowSampler`
@@ -199,6 +200,7 @@ class RowDecoder:
         self.device, self.dtype = param.device, param.dtype
         self.layers = model.config.num_hidden_layers
         self.rows: list[DecodeRow | None] = []
+        self.prefill_tokens = 0  # prompt positions run through the model by add() so far, padding included (shared prefixes once)
         self._empty()
 
     def _empty(self) -> None:
@@ -355,7 +357,12 @@ class RowDecoder:
 
     def _add(self, rows: list[DecodeRow]) -> list[DecodeRow]:
         n = len(rows)
-        prompts = [r.prompt_ids for r in rows]
+        # rows with the same prompt (a request's n choices, a GRPO group's agents, one task in two
+        # evaluation modes) are prefilled once: their keys, values and first logits are the same
+        first: dict[tuple[int, ...], int] = {}
+        owner = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in rows]  # [n] -> unique prompt
+        prompts = [list(p) for p in first]
+        u = len(prompts)
         shared = shared_prefix_length(prompts)
         shared = shared if shared >= MIN_SHARED_PREFIX else 0
         width = max(len(p) for p in prompts) - shared
@@ -366,25 +373,30 @@ class RowDecoder:
             prefix = _RowCache(self.layers, 0, shared)
             causal = torch.ones((1, shared, shared), dtype=torch.bool).tril()
             self._forward(torch.tensor([prompts[0][:shared]]), torch.arange(shared).unsqueeze(0), causal, prefix)
-            keys = [k.new_zeros((n, k.shape[1], capacity, k.shape[3])) for k in prefix.keys]
-            values = [v.new_zeros((n, v.shape[1], capacity, v.shape[3])) for v in prefix.values]
+            keys = [k.new_zeros((u, k.shape[1], capacity, k.shape[3])) for k in prefix.keys]
+            values = [v.new_zeros((u, v.shape[1], capacity, v.shape[3])) for v in prefix.values]
             for full, part in zip(keys + values, prefix.keys + prefix.values):
                 full[:, :, :shared] = part
             cache = _RowCache(self.layers, shared, capacity, keys, values)
         else:
             cache = _RowCache(self.layers, 0, capacity)
-        ids = torch.full((n, width), self.pad, dtype=torch.long)
-        own = torch.zeros((n, width), dtype=torch.bool)  # [n, width] the rows' own tokens after the prefix
+        ids = torch.full((u, width), self.pad, dtype=torch.long)
+        own = torch.zeros((u, width), dtype=torch.bool)  # [u, width] the prompts' own tokens after the prefix
         for i, p in enumerate(prompts):
             ids[i, width - (len(p) - shared) :] = torch.tensor(p[shared:], dtype=torch.long)
             own[i, width - (len(p) - shared) :] = True
-        positions = (own.long().cumsum(1) - 1).clamp(min=0) + shared  # [n, width]
+        positions = (own.long().cumsum(1) - 1).clamp(min=0) + shared  # [u, width]
         causal = torch.ones((width, width), dtype=torch.bool).tril()  # [q, k]
-        allowed = torch.cat([torch.ones((n, width, shared), dtype=torch.bool), causal.unsqueeze(0) & own.unsqueeze(1)], dim=2)
-        logits = self._forward(ids, positions, allowed, cache)
-        valid = torch.zeros((n, capacity), dtype=torch.bool)
+        allowed = torch.cat([torch.ones((u, width, shared), dtype=torch.bool), causal.unsqueeze(0) & own.unsqueeze(1)], dim=2)
+        logits = self._forward(ids, positions, allowed, cache)  # [u, vocab]
+        self.prefill_tokens += shared + u * width
+        valid = torch.zeros((u, capacity), dtype=torch.bool)
         valid[:, :shared] = True
         valid[:, shared:length] = own
+        if u < n:  # one cache row and one logits row per row from here on
+            index = torch.tensor(owner)
+            _select_rows(cache, index)
+            logits, valid = logits.index_select(0, index), valid.index_select(0, index)
         greedy_t = torch.tensor([r.temperature for r in rows], dtype=torch.float)
         scale = torch.where(greedy_t == 0, torch.ones_like(greedy_t), greedy_t).unsqueeze(1)
         top_ps = torch.tensor([r.top_p for r in rows], dtype=torch.float).unsqueeze(1)

@@ -203,3 +203,30 @@ def test_a_batch_token_budget_holds_rows_back_and_changes_no_completion(engine, 
     assert tight_peak <= 4 * per_row + 8 and admissions >= 3  # at most 4 rows at a time, so several admissions
     with pytest.raises(ValueError, match="max_batch_total_tokens"):
         ContinuousBatcher(engine.activate, 0, 0, max_batch_total_tokens=0)
+
+
+def test_rows_with_the_same_prompt_are_prefilled_once_and_sample_what_they_would_alone(policy):
+    model, tok = policy
+    prompts = _prompts(tok)[:2]
+    other = tok("zz")["input_ids"]  # no prefix in common with the others
+
+    def row(prompt, stream, temperature=0.8):
+        return DecodeRow(list(prompt), temperature, 0.95, 14, stream)
+
+    # four rows: each of two prompts twice (different streams), one greedy, and a prompt with no shared prefix
+    specs = [(prompts[0], 1), (prompts[1], 2), (prompts[0], 3), (prompts[1], 4), (prompts[0], 5, 0.0), (other, 6)]
+    decoder = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+    together = [row(*spec) for spec in specs]
+    decoder.add(together)
+    while decoder.size:
+        decoder.step()
+    # no prefix shared by all three prompts: three rows of the longest prompt's width, not six
+    assert decoder.prefill_tokens == 3 * max(len(p) for p in (*prompts, other))
+    for spec, got in zip(specs, together):
+        alone = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+        want = row(*spec)
+        alone.add([want])
+        while alone.size:
+            alone.step()
+        assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert together[0].tokens != together[2].tokens  # the same prompt, other streams: other samples
