@@ -22,6 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable, Literal, Protocol
 
 Split = Literal["train", "held_out"]
@@ -79,6 +80,15 @@ class TaskSource(Protocol):
     def demonstration(self, task: Task) -> list[dict[str, Any]]:
         """An expert's conversation on ``task`` (OpenAI messages), the SFT warm start's data."""
         ...
+
+
+def task_tools(source: TaskSource, task: Any) -> Sequence[dict[str, Any]]:
+    """The OpenAI tool specifications an agent offers its policy on ``task``: the task's own
+    (``task.metadata["tools"]``, e.g. a BFCL question's functions) where it carries them, else the
+    source's :attr:`TaskSource.tools`. A task that is not a :class:`Task` (a source of plain
+    ids) has none of its own."""
+    own = (getattr(task, "metadata", None) or {}).get("tools")
+    return own or source.tools
 
 
 def single_turn_demonstration(task: Task) -> list[dict[str, Any]]:

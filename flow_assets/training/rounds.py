@@ -42,7 +42,7 @@ from flow_assets.policy.rollouts import TextSamples, batch_id_for, text_training
 from flow_assets.policy.store import PolicyStore
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
-from flow_assets.tasks.sources import Task, TaskSource, is_held_out
+from flow_assets.tasks.sources import Task, TaskSource, is_held_out, task_tools
 
 # The model code (torch, transformers, peft) is imported inside the functions that train, sample or
 # save a model: the code location imports this module, and its sensors and data-plane runs never
@@ -117,8 +117,7 @@ def build_base_policy(
     save_tiny_policy(store.base_path, model)
     base, tokenizer = store.load()
     tasks = source.tasks("train")[:demonstrations]
-    # a task may carry its own tools (BFCL: each question its functions); else the source's
-    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), t.metadata.get("tools") or source.tools)]
+    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), task_tools(source, t))]
     result = sft_on_rows(base, rows, tokenizer.pad_token_id, sft)
     base.save_pretrained(str(store.base_path))
     register_identity_adapter(store, registry, by, "base policy (SFT warm start)")

@@ -59,3 +59,15 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         JsonlSource(JsonlSourceConfig(path=str(path), verifier="vibes"))
     with pytest.raises(ValueError, match="needs a path"):
         TaskSourceResource(kind="jsonl").source()
+
+
+def test_an_agent_offers_a_tasks_own_tools_where_it_carries_them_else_the_sources():
+    from flow_assets.tasks.calculator import CalculatorSource
+    from flow_assets.tasks.sources import Task, task_tools
+
+    source = CalculatorSource()
+    own = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    task = source.tasks("train")[0]
+    assert task_tools(source, task) == source.tools and source.tools
+    assert task_tools(source, Task("t", "q", "r", "q", "r", "train", "s", "exact", metadata={"tools": own})) == own
+    assert task_tools(source, 3) == source.tools  # a source of plain ids: nothing of its own
