@@ -113,6 +113,9 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     if bad := check_source(args.source):
         print(f"flowopt serve: {bad}", file=sys.stderr)
         return 2
+    if args.max_batch_total_tokens is not None and args.max_batch_total_tokens < 1:
+        print(f"flowopt serve: --max-batch-total-tokens must be at least 1, got {args.max_batch_total_tokens}", file=sys.stderr)
+        return 2
     try:  # before the model loads: a refusal is immediate
         tokens = gateway_tokens(args.tokens_file, settings)
         check_bind(args.host, tokens)

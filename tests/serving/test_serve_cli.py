@@ -26,3 +26,9 @@ def test_an_unknown_preset_is_refused_before_anything_loads(tmp_path):
     code, _, err = run_cli(["serve", "--preset", "no-such-model", "--models", str(tmp_path / "models")])
     assert code == 2 and "--preset" in err and "no-such-model" in err
     assert not (tmp_path / "models").exists()
+
+
+def test_a_cache_budget_below_one_slot_is_refused_before_anything_loads(tmp_path):
+    code, _, err = run_cli(["serve", "--max-batch-total-tokens", "0", "--models", str(tmp_path / "models")])
+    assert code == 2 and "--max-batch-total-tokens must be at least 1, got 0" in err
+    assert not (tmp_path / "models").exists()
