@@ -28,7 +28,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
 PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
-.PHONY: install install-bfcl demo demo-real demo-logs demo-text test ui bench clean
+.PHONY: install install-bfcl demo demo-real demo-logs demo-text demo-prompt test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ demo-logs: $(BIN)/.installed-smollm2
 # the word-problem agent trained from its own text log (no token ids) vs from captured rollouts
 demo-text: $(BIN)/.installed-smollm2
 	$(BIN)/flowopt demo-text
+
+# a prompt-policy round (few-shot demonstrations from the flows) for the word-problem agent on
+# SmolLM2 behind the gateway's proxy mode
+demo-prompt: $(BIN)/.installed-smollm2
+	$(BIN)/flowopt demo-prompt
 
 test: install
 	DAGSTER_HOME=$$(mktemp -d $(CURDIR)/.tmp_dagster_home_XXXX) && cp dagster.yaml $$DAGSTER_HOME/ && \

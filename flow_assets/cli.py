@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, demo-logs, demo-text, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
+Commands: demo, demo-real, demo-logs, demo-text, demo-prompt, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -85,6 +85,22 @@ def _demo_logs(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _demo_prompt(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from flow_assets.demo.prompt_round import run_prompt_round
+    from flow_assets.policy.presets import PresetUnavailable
+
+    try:
+        run_prompt_round(root=Path(args.state).resolve(), start_examples=args.start_examples, final_tasks=args.final_tasks,
+                         collect_tasks=args.collect_tasks, search_tasks=args.search_tasks, num_candidates=args.candidates, k=args.k,
+                         modes=("sampled",) if args.sampled_only else ("sampled", "greedy"))  # fmt: skip
+    except (PresetUnavailable, ValueError) as exc:
+        print(f"flowopt demo-prompt: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _demo_text(args: argparse.Namespace, settings: Settings) -> int:
     from pathlib import Path
 
@@ -104,7 +120,7 @@ def _demo_text(args: argparse.Namespace, settings: Settings) -> int:
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.serving.gateway.app import GatewayConfig
     from flow_assets.serving.gateway.guard import RequestLimits
-    from flow_assets.serving.gateway.server import check_bind, gateway_tokens, serve_forever
+    from flow_assets.serving.gateway.server import check_bind, gateway_tokens
     from flow_assets.serving.gateway.serve import make_gateway
     from flow_assets.policy.store import PolicyStore
 
@@ -127,6 +143,17 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         print(f"flowopt serve: {exc}", file=sys.stderr)
         return 2
     models, landing = args.models or settings.models, args.landing or settings.landing
+    config = GatewayConfig(
+        default_max_tokens=args.max_tokens,
+        batch_max_trajectories=args.batch_size,
+        batch_flush_seconds=args.flush_seconds,
+        rollout_timeout_s=args.rollout_timeout,
+        source=args.source,
+        limits=limits,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+    )
+    if args.upstream:
+        return _serve_upstream(args, config, models, landing, tokens)
     base_model = args.base_model
     if args.preset:
         from flow_assets.policy.presets import PresetUnavailable, prepare_model
@@ -142,24 +169,41 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     if registered := ensure_champion(store):
         print(f"flowopt serve: {store.base_path} registered as champion v0 (an identity LoRA adapter at {registered})", flush=True)
-    config = GatewayConfig(
-        default_max_tokens=args.max_tokens,
-        batch_max_trajectories=args.batch_size,
-        batch_flush_seconds=args.flush_seconds,
-        rollout_timeout_s=args.rollout_timeout,
-        source=args.source,
-        limits=limits,
-        max_batch_total_tokens=args.max_batch_total_tokens,
-    )
     gateway = make_gateway(store, landing, config=config)
-    print(
-        f"flowopt gateway: http://{args.host}:{args.port}/v1 serving {', '.join(gateway.resolver.names())}; "
-        f"rollouts land in {Path(landing) / args.source}; "
-        + (f"{len(tokens)} bearer token(s) required" if tokens else "no token required (loopback only)"),
-        flush=True,
-    )
+    return _announce_and_serve(gateway, args, tokens, f"serving {', '.join(gateway.resolver.names())}; rollouts land in {Path(landing) / args.source}")
+
+
+def _announce_and_serve(gateway, args: argparse.Namespace, tokens: list[str], what: str) -> int:
+    """Print where the gateway listens and what it does, then serve until interrupted."""
+    from flow_assets.serving.gateway.server import serve_forever
+
+    auth = f"{len(tokens)} bearer token(s) required" if tokens else "no token required (loopback only)"
+    print(f"flowopt gateway: http://{args.host}:{args.port}/v1 {what}; {auth}", flush=True)
     serve_forever(gateway, args.host, args.port, tokens)
     return 0
+
+
+def _serve_upstream(args: argparse.Namespace, config, models: str, landing: str, tokens: list[str]) -> int:
+    """``flowopt serve --upstream URL``: proxy mode (``flow_assets.serving.gateway.upstream``); no
+    model loads here. The key is read from ``$<--upstream-key-env>`` and never printed."""
+    from flow_assets.serving.gateway.app import Gateway
+    from flow_assets.serving.gateway.engine import AdapterResolver
+    from flow_assets.serving.gateway.upstream import Upstream
+    from flow_assets.policy.store import PolicyStore
+
+    if args.preset or args.base_model:
+        print("flowopt serve: --upstream forwards to a model server; it takes no --preset or --base-model", file=sys.stderr)
+        return 2
+    try:
+        upstream = Upstream.from_env(args.upstream, args.upstream_model, args.upstream_key_env, timeout_s=args.upstream_timeout)
+    except ValueError as exc:
+        print(f"flowopt serve: --upstream: {exc}", file=sys.stderr)
+        return 2
+    store = PolicyStore(models_root=models)
+    gateway = Gateway(None, AdapterResolver(store.registry_path), landing, config, upstream=upstream)
+    key = f"key from ${args.upstream_key_env}" if upstream.api_key else f"no key (${args.upstream_key_env} is not set)"
+    return _announce_and_serve(gateway, args, tokens, f"forwarding to {upstream.base_url} (model {upstream.model or 'as asked'}; {key}); "
+                               f"rollouts land in {Path(landing) / args.source} as text")  # fmt: skip
 
 
 def ensure_champion(store) -> str | None:
@@ -525,6 +569,19 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--sampled-only", action="store_true", help="evaluate sampled only (no greedy pass)")
     text.add_argument("--resume", action="store_true", help="keep the collection and both candidates of an earlier run in --state; evaluate only")
     text.set_defaults(fn=_demo_text)
+    prompt = sub.add_parser(
+        "demo-prompt",
+        help="a prompt-policy round for the word-problem agent on SmolLM2 behind the proxy (needs the smollm2 extra)",
+    )
+    prompt.add_argument("--state", default=".demo-prompt", help="the demo's own state directory (default .demo-prompt; cleared)")
+    prompt.add_argument("--start-examples", type=int, default=1, help="hand-written worked examples in the weak prompt v0 (0-2, default 1)")
+    prompt.add_argument("--collect-tasks", type=int, default=64, help="train tasks v0's flows are collected on (4 agents each; default 64)")
+    prompt.add_argument("--search-tasks", type=int, default=48, help="train tasks every candidate is scored on (default 48)")
+    prompt.add_argument("--candidates", type=int, default=6, help="candidates besides v0 (default 6)")
+    prompt.add_argument("--k", type=int, default=3, help="demonstrations drawn per candidate (default 3)")
+    prompt.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the gate (default: all)")
+    prompt.add_argument("--sampled-only", action="store_true", help="gate on sampled only (no greedy pass)")
+    prompt.set_defaults(fn=_demo_prompt)
     ingest = sub.add_parser(
         "ingest",
         help="land log files, register each as a log batch and run exactly those through the data plane",
@@ -566,6 +623,13 @@ def main(argv: list[str] | None = None) -> int:
                        "required to bind beyond loopback")  # fmt: skip
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, MiB (default 8; larger: 413)")
     serve.add_argument("--body-timeout", type=float, default=60.0, help="seconds to receive a request's body (default 60; slower: 408)")
+    serve.add_argument("--upstream", default=None, metavar="URL",
+                       help="proxy mode: forward every chat call to this OpenAI-compatible API root (e.g. http://127.0.0.1:8080/v1) "
+                            "and capture its answers as text; no model is loaded here")  # fmt: skip
+    serve.add_argument("--upstream-model", default=None, help="with --upstream: the model name sent upstream (default: the name the agent asks for)")
+    serve.add_argument("--upstream-key-env", default="FLOWOPT_UPSTREAM_API_KEY",
+                       help="with --upstream: the environment variable holding the upstream's API key (default FLOWOPT_UPSTREAM_API_KEY)")  # fmt: skip
+    serve.add_argument("--upstream-timeout", type=float, default=600.0, help="with --upstream: seconds per upstream call (default 600)")
     serve.set_defaults(fn=_serve)
     models = sub.add_parser("models", help="pretrained model presets shipped in pip packages")
     models_sub = models.add_subparsers(dest="models_command", required=True)

@@ -11,4 +11,6 @@ No Dagster import lives here. Modules, one concept each:
   teacher-forced log-probs of given completions.
 - ``sft``: supervised warm start on (prompt, answer) demonstrations.
 - ``trainer``: one GRPO training round with checkpoints, best-k retention and resume.
+- ``prompt``: prompt policies (instructions, demonstrations, tool descriptions), a policy in the context.
+- ``prompt_search``: few-shot demonstrations from successful flows, chosen by random search.
 """

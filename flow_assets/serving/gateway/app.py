@@ -86,10 +86,12 @@ from flow_assets.serving.gateway.protocol import (
 )
 from flow_assets.serving.gateway import messages_api, responses_api
 from flow_assets.serving.gateway.streaming import ChatStream, ChoiceText, chunk, token_queue
+from flow_assets.serving.gateway.upstream import Upstream, UpstreamClient, UpstreamError, fold_chunks, forwarded_body
 from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.configs import SERVE_MAX_TOKENS
 from flow_assets.policy.constrained import Constraint, ConstraintCompiler, ConstraintError
+from flow_assets.policy.prompt import PROMPT_POLICY_FILE, PromptPolicy, PromptPolicyError, is_prompt_policy
 from flow_assets.policy.tool_calls import parse_tool_calls
 
 log = logging.getLogger("flowopt.gateway")
@@ -139,19 +141,32 @@ class Gateway:
     """Everything one gateway process holds: the policy, the batcher, open rollouts, open batches.
 
     Args:
-        engine: the policy (base model + adapters).
-        resolver: model name -> adapter.
+        engine: the policy (base model + adapters); ``None`` in proxy mode.
+        resolver: model name -> adapter (in proxy mode: the registry's names; a name it does
+            not know is forwarded as it is, :mod:`flow_assets.serving.gateway.upstream`).
         landing: the landing directory finished rollouts go to; the open batches a dead gateway
             left in it land at once (:attr:`recovered`).
         config: settings.
+        upstream: proxy mode: forward every chat call to this model server instead of sampling
+            a hosted policy (``engine`` must then be ``None``).
+
+    Raises:
+        ValueError: both or neither of ``engine`` and ``upstream``.
     """
 
-    def __init__(self, engine: PolicyEngine, resolver: AdapterResolver, landing: str | Path, config: GatewayConfig | None = None):
+    def __init__(self, engine: PolicyEngine | None, resolver: AdapterResolver, landing: str | Path, config: GatewayConfig | None = None,
+                 upstream: Upstream | None = None):  # fmt: skip
+        if (engine is None) == (upstream is None):
+            raise ValueError("a gateway serves either a hosted policy (engine) or an upstream model server (upstream), exactly one")
         self.engine = engine
         self.resolver = resolver
         self.config = config or GatewayConfig()
+        self.upstream = UpstreamClient(upstream) if upstream is not None else None
         c = self.config
-        if c.continuous and engine.backend == "transformers":
+        self.batcher: ContinuousBatcher | DynamicBatcher | None = None
+        if engine is None:
+            pass
+        elif c.continuous and engine.backend == "transformers":
             tok = engine.tokenizer
             self.batcher = ContinuousBatcher(engine.activate, tok.eos_token_id, tok.pad_token_id, engine.max_positions,
                                              c.max_batch_rows, c.max_wait_ms, c.seed, c.max_batch_total_tokens)  # fmt: skip
@@ -165,10 +180,35 @@ class Gateway:
         self.recovered: list[RecoveredBatch] = self.lander.recover()
         # a token never covers more characters than the longest vocabulary entry: a prompt with more
         # than context * that many characters cannot fit, whatever its tokens (checked before tokenising)
-        vocab = engine.tokenizer.get_vocab()
+        vocab = engine.tokenizer.get_vocab() if engine is not None else {}
         self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
+        self._prompts: dict[str, PromptPolicy] = {}
+
+    def prompt_policy(self, ref: AdapterRef) -> PromptPolicy | None:
+        """Proxy mode: the prompt policy a resolved name serves (``None``: a name the registry
+        does not know, forwarded as it is). Loaded once per directory (registered versions do
+        not change).
+
+        Raises:
+            PromptPolicyError: the version is not a prompt policy (a LoRA adapter cannot be applied
+                to an upstream model), or its file is invalid.
+        """
+        if not ref.path:
+            return None
+        with self._compiler_lock:
+            if ref.path not in self._prompts:
+                if not is_prompt_policy(ref.path):
+                    raise PromptPolicyError(f"{ref.version} is not a prompt policy (no {PROMPT_POLICY_FILE} in its directory); "
+                                            "a LoRA adapter needs a gateway that hosts the model")  # fmt: skip
+                self._prompts[ref.path] = PromptPolicy.load(ref.path)
+            return self._prompts[ref.path]
+
+    def close(self) -> None:
+        """Stop the batcher's worker (a proxy has none; its HTTP client closes with the app)."""
+        if self.batcher is not None:
+            self.batcher.close()
 
     def constraint(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Constraint | None:
         """The constraint of a call's ``response_format`` / ``tool_choice`` (``None``: none), built
@@ -234,6 +274,8 @@ class _Call:
     prompt_ids: list[int] = field(default_factory=list)
     work: GenerationRequest | None = None
     constraint: Constraint | None = None
+    upstream_model: str | None = None  # proxy mode: the model that answered (text-only turn)
+    usage: dict[str, int] | None = None  # proxy mode: the upstream's token counts
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
@@ -289,6 +331,25 @@ def _logprobs_payload(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
     return {"content": content}
 
 
+#: the adapter version a proxied turn records (no hosted adapter answered it)
+UPSTREAM_VERSION = "upstream"
+
+
+def _upstream_choice(message: dict[str, Any], finish_reason: str | None) -> Choice:
+    """A captured choice of an upstream's answer: text only (no ids, no log-probs;
+    :mod:`flow_assets.serving.gateway.upstream`); tool call arguments kept as the JSON text sent."""
+    calls = []
+    for c in message.get("tool_calls") or ():
+        function = c.get("function") or {}
+        arguments = function.get("arguments", "{}")
+        calls.append({"id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": function.get("name", ""),
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})  # fmt: skip
+    content = message.get("content")
+    content = content if isinstance(content, str) else None
+    return Choice([], [], content or "", content, calls, finish_reason or ("tool_calls" if calls else "stop"))
+
+
 class _Metrics:
     """ASGI middleware counting requests and their latency per route template and status (a
     plain ASGI callable: Starlette's ``@app.middleware("http")`` runs every request through an
@@ -334,11 +395,13 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         finally:
             task.cancel()
             gateway.housekeeping(everything=True)
+            if gateway.upstream is not None:
+                await gateway.upstream.aclose()
 
     app = FastAPI(title="flowopt policy gateway", lifespan=lifespan)
     app.state.gateway = gateway
     app.add_middleware(RequestGuard, tokens=tuple(tokens), limits=gateway.config.limits)
-    tokenizer = gateway.engine.tokenizer
+    tokenizer = gateway.engine.tokenizer if gateway.engine is not None else None
     metrics = CollectorRegistry()  # per app: two gateways in one process count apart
     requests_total = Counter("flowopt_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=metrics)
     latency = Histogram("flowopt_gateway_request_seconds", "HTTP request latency by route, seconds", ["route"], registry=metrics,
@@ -388,8 +451,9 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                 {"batch": str(r.path.relative_to(gateway.lander.directory)), "rollouts": r.rollouts, "torn_bytes": r.torn_bytes}
                 for r in gateway.recovered
             ],
-            "generation_batches": gateway.batcher.batches,
-            "generated_sequences": gateway.batcher.rows,
+            "generation_batches": gateway.batcher.batches if gateway.batcher else 0,
+            "generated_sequences": gateway.batcher.rows if gateway.batcher else 0,
+            **({"upstream_model": gateway.upstream.upstream.model} if gateway.upstream else {}),
         }
 
     @app.get("/v1/models")
@@ -399,6 +463,9 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         for name in gateway.resolver.names():
             ref = gateway.resolver.resolve(name)
             data.append({"id": name, "object": "model", "created": 0, "owned_by": "flowopt", "root": ref.version})
+        if gateway.upstream is not None and gateway.upstream.upstream.model:
+            data.append({"id": gateway.upstream.upstream.model, "object": "model", "created": 0, "owned_by": "upstream",
+                         "root": UPSTREAM_VERSION})  # fmt: skip
         return {"object": "list", "data": data}
 
     live_tokens = tuple(t for t in tokens if t)
@@ -554,12 +621,11 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         """Count the call and record its turn (a 409 response when its rollout finished meanwhile)."""
         latency_ms = (time.perf_counter() - call.started) * 1000.0
         gateway.calls += 1
-        completion_tokens = sum(len(c.completion_ids) for c in choices)
-        tokens_served.labels("prompt", call.ref.version).inc(len(call.prompt_ids))
-        tokens_served.labels("completion", call.ref.version).inc(completion_tokens)
+        turn = Turn(call.messages, call.prompt_ids, choices, call.name, call.ref.version, call.temperature, call.top_p,
+                    latency_ms, delivered, call.upstream_model, call.usage)  # fmt: skip
+        tokens_served.labels("prompt", call.ref.version).inc(turn.token_count("prompt"))
+        tokens_served.labels("completion", call.ref.version).inc(turn.token_count("completion"))
         if call.rollout_id:
-            turn = Turn(call.messages, call.prompt_ids, choices, call.name, call.ref.version, call.temperature, call.top_p,
-                        latency_ms, delivered)  # fmt: skip
             try:
                 gateway.recorder.record(call.rollout_id, turn)
             except RolloutError as exc:
@@ -597,6 +663,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
 
     async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None,
                           request: Request | None = None):  # fmt: skip
+        if gateway.upstream is not None:
+            return await _proxy(req, rollout_id, settings, session)
         call = _prepare(req, rollout_id, settings, session)
         if isinstance(call, JSONResponse):
             return call
@@ -627,6 +695,103 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             },
             headers={"X-Flowopt-Adapter-Version": call.ref.version},
         )
+
+    async def _proxy(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+        """Proxy mode: apply the prompt policy the model name resolves to (none for a name the
+        registry does not know), forward the call to the upstream and capture its answer as a
+        text-only turn of the messages the agent sent (:mod:`flow_assets.serving.gateway.upstream`)."""
+        client = gateway.upstream
+        name = settings.model if settings and settings.model else req.model
+        try:
+            # the live A/B's unit is the session, as for adapters (_prepare)
+            ref = gateway.resolver.resolve(name, session or req.user or rollout_id)
+        except UnknownModelError:
+            ref = AdapterRef(UPSTREAM_VERSION, "")
+        try:
+            prompt = gateway.prompt_policy(ref)
+        except (OSError, PromptPolicyError) as exc:
+            return _error(400, f"model {name!r} resolves to {ref.version}, which this gateway cannot apply: {exc}", param="model")
+        t_override = settings.temperature if settings else None
+        p_override = settings.top_p if settings else None
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        sent_messages, sent_tools = prompt.apply(messages, tools) if prompt else (messages, tools)
+        body = forwarded_body(req.model_dump(exclude_unset=True, exclude_none=True), client.upstream, sent_messages, t_override, p_override)
+        if sent_tools is not None:
+            body["tools"] = sent_tools
+        body["model"] = client.upstream.model or name
+        temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
+        call = _Call(req, rollout_id, time.perf_counter(), name, ref, temperature, top_p, messages, tools,
+                     None, upstream_model=body["model"])  # fmt: skip
+        if req.stream:
+            return await _proxy_stream(call, body)
+        try:
+            data = await client.complete(body)
+        except UpstreamError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+        call.upstream_model, call.usage = data.get("model") or body["model"], data.get("usage")
+        ordered = sorted(data["choices"], key=lambda c: c.get("index", 0))
+        choices = [_upstream_choice(c.get("message") or {}, c.get("finish_reason")) for c in ordered]
+        if (conflict := _served(call, choices)) is not None:
+            return conflict
+        return JSONResponse(data, headers={"X-Flowopt-Adapter-Version": call.ref.version})
+
+    async def _proxy_stream(call: _Call, body: dict[str, Any]):
+        """A streamed proxy call: the upstream's chunks relayed as they come. The chunks that end
+        a choice (a ``finish_reason``) and the usage chunk are held back until the turn is recorded,
+        as a hosted stream records its turn before its finish chunks."""
+        upstream = gateway.upstream.stream(body)
+        try:
+            first = await anext(upstream, None)
+        except UpstreamError as exc:
+            return JSONResponse(exc.body, status_code=exc.status)
+        include_usage = bool(call.req.stream_options and call.req.stream_options.include_usage)
+        state: dict[str, Any] = {"recorded": False, "chunks": []}
+
+        def folded() -> list[Choice]:
+            choices, usage = fold_chunks(state["chunks"])
+            call.usage = usage
+            return [_upstream_choice(c.message(), c.finish_reason) for _, c in sorted(choices.items())]
+
+        async def events():
+            held: list[dict[str, Any]] = []
+            item = first
+            try:
+                while item is not None:
+                    state["chunks"].append(item)
+                    if item.get("model"):
+                        call.upstream_model = item["model"]
+                    if not include_usage:
+                        if not item.get("choices") and "usage" in item:
+                            item = await anext(upstream, None)
+                            continue
+                        item = {k: v for k, v in item.items() if k != "usage"}
+                    if item.get("usage") or any(c.get("finish_reason") for c in item.get("choices") or ()):
+                        held.append(item)
+                    else:
+                        yield json.dumps(item)
+                    item = await anext(upstream, None)
+            except UpstreamError as exc:
+                yield json.dumps(exc.body)
+                return
+            finally:
+                await upstream.aclose()
+            state["recorded"] = True
+            if (conflict := _served(call, folded())) is not None:
+                yield conflict.body.decode()
+                return
+            for item in held:
+                yield json.dumps(item)
+            yield "[DONE]"
+
+        def closed() -> None:
+            if not call.rollout_id:
+                return
+            if not state["recorded"] and state["chunks"]:
+                _served(call, folded(), delivered=False)  # the agent went away mid-stream: never trained
+            gateway.recorder.call_ended(call.rollout_id)
+
+        return ChatStream(events(), closed, headers={"X-Flowopt-Adapter-Version": call.ref.version})
 
     async def _stream(call: _Call):
         """Serve ``call`` as Server-Sent Events (:mod:`flow_assets.serving.gateway.streaming`). The

@@ -93,6 +93,12 @@ class Turn:
         delivered: ``False`` for a streamed call whose client went away before the stream ended:
             the agent never acted on it, so it is no step of the trajectory (never trained) and
             is only counted in ``metadata.undelivered_turns``.
+        upstream_model: set when proxy mode forwarded the call to a model server the gateway does
+            not host (:mod:`flow_assets.serving.gateway.upstream`): the model that answered. Such a
+            turn is text only: ``prompt_ids`` and the choices' ids and log-probs are empty, and its
+            step carries no token fields.
+        usage: the upstream's token counts (``prompt_tokens``, ``completion_tokens``) of a forwarded
+            turn, as it reported them (``None``: it reported none, or the turn was not forwarded).
     """
 
     messages: list[dict[str, Any]]
@@ -104,6 +110,17 @@ class Turn:
     top_p: float
     latency_ms: float
     delivered: bool = True
+    upstream_model: str | None = None
+    usage: dict[str, int] | None = None
+
+    def token_count(self, kind: str) -> int:
+        """``kind`` ``"prompt"`` or ``"completion"``: tokens of this turn (all choices), counted from
+        its ids, or from the upstream's usage for a forwarded turn (0 when it reported none)."""
+        if self.upstream_model is not None:
+            return int((self.usage or {}).get(f"{kind}_tokens") or 0)
+        if kind == "prompt":
+            return len(self.prompt_ids)
+        return sum(len(c.completion_ids) for c in self.choices)
 
 
 @dataclass
@@ -194,6 +211,7 @@ def _step_fields(turns: list[Turn]) -> list[dict[str, Any]]:
         calls = choice.tool_calls
         answered = [(c, results[c["id"]]) for c in calls if c["id"] in results]
         kind = "tool" if calls else ("answer" if nxt is None else "message")
+        ids = turn.upstream_model is None  # a forwarded turn is text only
         steps.append(
             dict(
                 kind=kind,
@@ -204,9 +222,9 @@ def _step_fields(turns: list[Turn]) -> list[dict[str, Any]]:
                 output=choice.text,
                 status="error" if choice.tool_call_error or any(_is_error(r) for _, r in answered) else "ok",
                 duration_ms=turn.latency_ms,
-                token_ids=list(choice.completion_ids),
-                logprobs=list(choice.logprobs),
-                prompt_token_ids=list(turn.prompt_ids),
+                token_ids=list(choice.completion_ids) if ids else None,
+                logprobs=list(choice.logprobs) if ids else None,
+                prompt_token_ids=list(turn.prompt_ids) if ids else None,
                 temperature=turn.temperature,
                 top_p=turn.top_p,
             )
@@ -284,16 +302,24 @@ def build_trajectory(
         "rollout_id": rollout.rollout_id,
         "llm_calls": len(turns),
         "tool_calls": sum(1 for st in steps if st.kind == "observation"),
-        "prompt_tokens": sum(len(t.prompt_ids) for t in turns),
-        "completion_tokens": sum(len(st.token_ids or []) for st in steps),
+        "prompt_tokens": sum(t.token_count("prompt") for t in turns),
+        "completion_tokens": sum(len(st.token_ids or []) for st in steps)
+        + sum(t.token_count("completion") for t in turns if t.upstream_model is not None),
     }
+    if forwarded := [t for t in turns if t.upstream_model is not None]:
+        # proxy mode: text only, trained as a text log (flow_assets.serving.gateway.upstream)
+        meta["capture"] = "text" if len(forwarded) == len(turns) else "mixed"
+        meta["upstream_models"] = list(dict.fromkeys(t.upstream_model for t in forwarded))
+        if unreported := sum(1 for t in forwarded if not t.usage):
+            # e.g. llama-cpp-python's server streams no usage chunk: those turns count 0 tokens above
+            meta["usage_unreported_turns"] = unreported
     if errors := tool_call_errors(turns):
         meta["tool_call_errors"] = errors
     if constrained := constrained_turns(turns):
         meta["constrained_turns"] = constrained
     if undelivered := [t for t in rollout.turns if not t.delivered]:
         meta["undelivered_turns"] = [
-            {"prompt_tokens": len(t.prompt_ids), "completion_tokens": sum(len(c.completion_ids) for c in t.choices),
+            {"prompt_tokens": t.token_count("prompt"), "completion_tokens": t.token_count("completion"),
              "latency_ms": t.latency_ms, "reason": "client_disconnected"}
             for t in undelivered
         ]  # fmt: skip

@@ -114,7 +114,7 @@ class GatewayServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join()
-        self.gateway.batcher.close()
+        self.gateway.close()
 
 
 def serve_forever(gateway: Gateway, host: str = "127.0.0.1", port: int = 8000, tokens: Sequence[str] = ()) -> None:
@@ -128,4 +128,4 @@ def serve_forever(gateway: Gateway, host: str = "127.0.0.1", port: int = 8000, t
     try:
         uvicorn.run(create_app(gateway, tokens), host=host, port=port, log_level="info")
     finally:
-        gateway.batcher.close()
+        gateway.close()

