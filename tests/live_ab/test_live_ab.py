@@ -226,3 +226,55 @@ def test_traffic_served_during_a_live_ab_is_found_from_the_registry_history(tmp_
     assert served_during_ab(frame, [window]) == 1  # before, during, after, no timestamp
     assert served_during_ab(frame, open_windows) == 2
     assert served_during_ab(frame, []) == 0
+
+
+def test_a_prompt_policy_in_live_ab_behind_the_proxy_is_decided_by_the_sensors(calculator_policy_dir, tmp_path):
+    """The same live A/B for prompt policies: the agent on a model the gateway does not host
+    (the tiny policy served by a plain gateway upstream), the proxy applying the champion's or the
+    challenger's prompt by session, its text-only flows through the data plane, the sensors deciding."""
+    from dagster import AssetKey, instance_for_test
+
+    from flow_assets.definitions import build_definitions
+    from flow_assets.policy.prompt import PromptPolicy
+    from flow_assets.runtime.local import execute_requests, tick_sensor
+    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts_sync
+    from flow_assets.serving.gateway.app import Gateway
+    from flow_assets.serving.gateway.engine import AdapterResolver
+    from flow_assets.serving.gateway.server import GatewayServer
+    from flow_assets.serving.gateway.upstream import Upstream
+    from resources.live_ab import LiveAB
+    from resources.tasks import TaskSourceResource
+
+    models = tmp_path / "models"
+    registry = AdapterRegistry(root=str(models))
+    # a prompt gone wrong: a demonstration that answers without the calculator (the tiny policy
+    # copies it and stops calling the tool)
+    refusal = ({"role": "user", "content": "12*7"}, {"role": "assistant", "content": "I cannot compute that."})
+    bad = PromptPolicy(demonstrations=(refusal,)).save(models / "prompts" / "v1")
+    registry.promote("v1", str(bad), {}, by="test", reason="a bad prompt", action="register")
+    registry.start_challenger("v2", str(PromptPolicy().save(models / "prompts" / "v2")), {}, 0.5, by="test", reason="no instructions")
+    tasks = TaskSourceResource(kind="calculator")
+    source, agent, train = tasks.source(), tasks.agent_fn(), tasks.source().tasks("train")
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=tasks, settle_seconds=0,
+                             live_ab=LiveAB(enabled=True, share=0.5))  # fmt: skip
+    decisions = []
+    (tmp_path / "home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "home")) as instance, serve_policy(PolicyStore(str(calculator_policy_dir)), tmp_path / "up") as up:
+        for batch in range(6):
+            proxy = Gateway(None, AdapterResolver(models / "registry.json"), tmp_path / "landing", upstream=Upstream(up.url + "/v1", "policy"))
+            with GatewayServer(proxy) as server:
+                run_rollouts_sync(server.url, agent, train[batch * 40 : (batch + 1) * 40], source.score, 1, agent_id=tasks.agent_id,
+                                  batch=f"live-{batch:04d}", source="live", config=HarnessConfig(model="policy", land=True))  # fmt: skip
+            landed = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
+            assert landed.succeeded and not landed.failed
+            execute_requests(defs, instance, "ab_test_job", tick_sensor(defs, instance, "ab_monitor_sensor"))
+            report = instance.get_latest_materialization_event(AssetKey("ab_test_report")).asset_materialization.metadata
+            decisions.append((report["decision"].value, report["n_champion"].value, report["n_challenger"].value))
+            tick_sensor(defs, instance, "ab_monitor_sensor")  # carries the decision out
+            if registry.challenger() is None:
+                break
+    assert decisions[-1][0] == "promote" and all(d[0] == "continue" for d in decisions[:-1]), decisions
+    assert decisions[-1][1] > 0 and decisions[-1][2] > 0  # both prompts served traffic
+    assert registry.champion()["version"] == "v2" and registry.champion()["adapter_path"] == str(models / "prompts" / "v2")
+    last = registry.load()["history"][-1]
+    assert last["action"] == "promote" and last["by"].startswith("ab_monitor_sensor")
