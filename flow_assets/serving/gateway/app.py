@@ -163,14 +163,12 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.upstream = UpstreamClient(upstream) if upstream is not None else None
         c = self.config
-        self.batcher: ContinuousBatcher | DynamicBatcher | None = None
-        if engine is None:
-            pass
-        elif c.continuous and engine.backend == "transformers":
+        self.batcher: ContinuousBatcher | DynamicBatcher | None = None  # a proxy samples nothing itself
+        if engine is not None and c.continuous and engine.backend == "transformers":
             tok = engine.tokenizer
             self.batcher = ContinuousBatcher(engine.activate, tok.eos_token_id, tok.pad_token_id, engine.max_positions,
                                              c.max_batch_rows, c.max_wait_ms, c.seed, c.max_batch_total_tokens)  # fmt: skip
-        else:
+        elif engine is not None:
             self.batcher = DynamicBatcher(engine.generate, c.max_batch_rows, c.max_wait_ms, c.seed)
         self.recorder = RolloutRecorder(self.config.rollout_timeout_s)
         self.lander = BatchLander(
@@ -185,6 +183,7 @@ class Gateway:
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._prompts: dict[str, PromptPolicy] = {}
+        self._prompts_lock = threading.Lock()
 
     def prompt_policy(self, ref: AdapterRef) -> PromptPolicy | None:
         """Proxy mode: the prompt policy a resolved name serves (``None``: a name the registry
@@ -197,7 +196,7 @@ class Gateway:
         """
         if not ref.path:
             return None
-        with self._compiler_lock:
+        with self._prompts_lock:
             if ref.path not in self._prompts:
                 if not is_prompt_policy(ref.path):
                     raise PromptPolicyError(f"{ref.version} is not a prompt policy (no {PROMPT_POLICY_FILE} in its directory); "
