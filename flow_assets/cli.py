@@ -154,7 +154,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         max_batch_total_tokens=args.max_batch_total_tokens,
     )
     if args.upstream:
-        return _serve_upstream(args, config, models, landing, tokens)
+        return _serve_upstream(args, settings, config, models, landing, tokens)
     base_model = args.base_model
     if args.preset:
         from flow_assets.policy.presets import PresetUnavailable, prepare_model
@@ -184,9 +184,9 @@ def _announce_and_serve(gateway, args: argparse.Namespace, tokens: list[str], wh
     return 0
 
 
-def _serve_upstream(args: argparse.Namespace, config, models: str, landing: str, tokens: list[str]) -> int:
+def _serve_upstream(args: argparse.Namespace, settings: Settings, config, models: str, landing: str, tokens: list[str]) -> int:
     """``flowopt serve --upstream URL``: proxy mode (``flow_assets.serving.gateway.upstream``); no
-    model loads here. The key is read from ``$<--upstream-key-env>`` and never printed."""
+    model loads here. The key is ``settings.upstream_api_key`` ($FLOWOPT_UPSTREAM_API_KEY), never printed."""
     from flow_assets.serving.gateway.app import Gateway
     from flow_assets.serving.gateway.engine import AdapterResolver
     from flow_assets.serving.gateway.upstream import Upstream
@@ -196,13 +196,13 @@ def _serve_upstream(args: argparse.Namespace, config, models: str, landing: str,
         print("flowopt serve: --upstream forwards to a model server; it takes no --preset or --base-model", file=sys.stderr)
         return 2
     try:
-        upstream = Upstream.from_env(args.upstream, args.upstream_model, args.upstream_key_env, timeout_s=args.upstream_timeout)
+        upstream = Upstream(args.upstream, args.upstream_model, settings.upstream_api_key, args.upstream_timeout)
     except ValueError as exc:
         print(f"flowopt serve: --upstream: {exc}", file=sys.stderr)
         return 2
     store = PolicyStore(models_root=models)
     gateway = Gateway(None, AdapterResolver(store.registry_path), landing, config, upstream=upstream)
-    key = f"key from ${args.upstream_key_env}" if upstream.api_key else f"no key (${args.upstream_key_env} is not set)"
+    key = "key from $FLOWOPT_UPSTREAM_API_KEY" if upstream.api_key else "no key ($FLOWOPT_UPSTREAM_API_KEY is not set)"
     return _announce_and_serve(gateway, args, tokens, f"forwarding to {upstream.base_url} (model {upstream.model or 'as asked'}; {key}); "
                                f"rollouts land in {Path(landing) / args.source} as text")  # fmt: skip
 
@@ -629,8 +629,6 @@ def main(argv: list[str] | None = None) -> int:
                        help="proxy mode: forward every chat call to this OpenAI-compatible API root (e.g. http://127.0.0.1:8080/v1) "
                             "and capture its answers as text; no model is loaded here")  # fmt: skip
     serve.add_argument("--upstream-model", default=None, help="with --upstream: the model name sent upstream (default: the name the agent asks for)")
-    serve.add_argument("--upstream-key-env", default="FLOWOPT_UPSTREAM_API_KEY",
-                       help="with --upstream: the environment variable holding the upstream's API key (default FLOWOPT_UPSTREAM_API_KEY)")  # fmt: skip
     serve.add_argument("--upstream-timeout", type=float, default=600.0, help="with --upstream: seconds per upstream call (default 600)")
     serve.set_defaults(fn=_serve)
     models = sub.add_parser("models", help="pretrained model presets shipped in pip packages")

@@ -170,6 +170,8 @@ class Settings:
         amqp_url: the RabbitMQ broker [FLOWOPT_AMQP_URL].
         api_tokens: bearer tokens of ``flowopt api`` [FLOWOPT_API_TOKENS, comma-separated].
         gateway_tokens: bearer tokens of ``flowopt serve`` [FLOWOPT_GATEWAY_TOKENS, comma-separated].
+        upstream_api_key: the key ``flowopt serve --upstream`` sends its upstream model server
+            [FLOWOPT_UPSTREAM_API_KEY]; kept out of ``repr``, never read from the project file.
         dagster_url: the webserver ``flowopt api`` submits runs through [FLOWOPT_DAGSTER_URL].
         policy_input_usd_per_mtok / policy_output_usd_per_mtok: what the policy's prompt /
             completion tokens cost, USD per million, >= 0 [FLOWOPT_POLICY_*_USD_PER_MTOK].
@@ -208,6 +210,7 @@ class Settings:
     amqp_url: str = _var("FLOWOPT_AMQP_URL", DEFAULT_AMQP_URL)
     api_tokens: tuple[str, ...] = _var("FLOWOPT_API_TOKENS", (), _tokens, secret=True, repr=False)
     gateway_tokens: tuple[str, ...] = _var("FLOWOPT_GATEWAY_TOKENS", (), _tokens, secret=True, repr=False)
+    upstream_api_key: str | None = _var("FLOWOPT_UPSTREAM_API_KEY", None, secret=True, repr=False)
     dagster_url: str = _var("FLOWOPT_DAGSTER_URL", DEFAULT_DAGSTER_URL)
     policy_input_usd_per_mtok: float = _var("FLOWOPT_POLICY_INPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))
     policy_output_usd_per_mtok: float = _var("FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))

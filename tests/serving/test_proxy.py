@@ -21,6 +21,7 @@ from flow_assets.serving.gateway.app import Gateway
 from flow_assets.serving.gateway.engine import AdapterResolver, in_challenger_share
 from flow_assets.serving.gateway.serve import make_gateway
 from flow_assets.serving.gateway.server import GatewayServer
+from flow_assets.settings import Settings
 from flow_assets.serving.gateway.upstream import REDACTED, StreamedChoice, Upstream, UpstreamClient, fold_chunks, forwarded_body
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
 from resources.registry import AdapterRegistry
@@ -145,7 +146,8 @@ def test_the_forwarded_body_and_the_stream_fold():
     assert body == {"model": "gpt-x", "messages": [{"role": "user", "content": "q"}], "stream": True, "temperature": 1.0,
                     "stream_options": {"include_usage": True}}  # fmt: skip
     assert upstream.base_url == "http://h/v1" and "k" not in repr(upstream) and upstream.redact("bad key k!") == f"bad {REDACTED}ey {REDACTED}!"
-    assert Upstream.from_env("http://h", environ={"FLOWOPT_UPSTREAM_API_KEY": ""}).api_key is None
+    assert Settings.from_environ({"FLOWOPT_UPSTREAM_API_KEY": "sk-9"}).upstream_api_key == "sk-9"
+    assert "sk-9" not in repr(Settings.from_environ({"FLOWOPT_UPSTREAM_API_KEY": "sk-9"}))
     with pytest.raises(ValueError, match="http"):
         Upstream("h:8080")
     chunks = [

@@ -20,23 +20,19 @@ upstream model (:attr:`Upstream.model`; ``None``: the name the agent asked for),
 overrides of its rollout (``temperature``, ``top_p``) applied, and, for a stream,
 ``stream_options.include_usage`` set (the usage chunk is passed on only when the agent asked for
 it). The agent's own credentials never go upstream: the upstream gets ``Authorization: Bearer
-<key>`` with the key read once, at start-up, from an environment variable
-(:meth:`Upstream.from_env`). The key is not part of any repr, log line, error text or landed
+<key>`` with the key read once, at start-up, from ``FLOWOPT_UPSTREAM_API_KEY``
+(``Settings.upstream_api_key``). The key is not part of any repr, log line, error text or landed
 record (an upstream error body that echoes it is answered with the key replaced).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-#: the environment variable ``flowopt serve --upstream`` reads the upstream's API key from
-DEFAULT_KEY_ENV = "FLOWOPT_UPSTREAM_API_KEY"
 
 #: what an upstream error body is answered with in place of the key, where it echoes it
 REDACTED = "[redacted]"
@@ -84,18 +80,6 @@ class Upstream:
         if not self.timeout_s > 0:
             raise ValueError(f"upstream timeout must be positive seconds, got {self.timeout_s}")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
-
-    @classmethod
-    def from_env(cls, base_url: str, model: str | None = None, key_env: str = DEFAULT_KEY_ENV,
-                 environ: Mapping[str, str] | None = None, timeout_s: float = 600.0) -> Upstream:  # fmt: skip
-        """The upstream at ``base_url`` with its key read from ``environ[key_env]`` (default: the
-        process environment, read now and never written); an unset or empty variable: no key.
-
-        Raises:
-            ValueError: as the class.
-        """
-        key = (os.environ if environ is None else environ).get(key_env) or None
-        return cls(base_url, model, key, timeout_s)
 
     def redact(self, text: str) -> str:
         """``text`` with the API key replaced by :data:`REDACTED`."""
