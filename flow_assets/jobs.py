@@ -37,6 +37,14 @@ training_round_job = define_asset_job(
     description="GRPO round on one batch: checkpoint -> held-out evaluation -> gated promotion.",
 )
 
+#: One prompt-policy round on one batch: search a few-shot prompt, gate it on the held-out split, promote it if it passes.
+prompt_round_job = define_asset_job(
+    "prompt_round_job",
+    selection=AssetSelection.assets("prompt_candidate", "prompt_evaluation", "promoted_prompt"),
+    partitions_def=log_batches,
+    description="Prompt-policy round on one batch (the champion is a prompt policy): candidate prompt -> held-out gate -> promotion.",
+)
+
 #: The training history (one row per round), refreshed after every finished round.
 training_history_job = define_asset_job(
     "training_history_job",

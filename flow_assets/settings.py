@@ -50,6 +50,10 @@ DEMO_FILE_HEADER = "# written by flowopt demo"
 
 #: the judge's bearer key; Dagster reads it itself (``EnvVar``) so that it never enters run config
 JUDGE_API_KEY_VAR = "FLOWOPT_JUDGE_API_KEY"
+#: the upstream model server\'s key (proxy mode, prompt rounds): read by Dagster through an EnvVar, never stored
+UPSTREAM_API_KEY_VAR = "FLOWOPT_UPSTREAM_API_KEY"
+#: the reflection model's key (prompt rounds' GEPA rewriting): read by Dagster through an EnvVar
+REFLECTION_API_KEY_VAR = "FLOWOPT_REFLECTION_API_KEY"
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -172,6 +176,12 @@ class Settings:
         gateway_tokens: bearer tokens of ``flowopt serve`` [FLOWOPT_GATEWAY_TOKENS, comma-separated].
         upstream_api_key: the key ``flowopt serve --upstream`` sends its upstream model server
             [FLOWOPT_UPSTREAM_API_KEY]; kept out of ``repr``, never read from the project file.
+        upstream_url / upstream_model: the upstream model server the prompt rounds call, and the
+            model name sent to it [FLOWOPT_UPSTREAM_URL, FLOWOPT_UPSTREAM_MODEL]; empty URL (the
+            default): no prompt rounds.
+        reflection_url / reflection_model: the reflection model of the prompt rounds' GEPA
+            rewriting [FLOWOPT_REFLECTION_URL, FLOWOPT_REFLECTION_MODEL]; empty URL: none.
+        reflection_api_key: its bearer key [FLOWOPT_REFLECTION_API_KEY]; kept out of ``repr``.
         dagster_url: the webserver ``flowopt api`` submits runs through [FLOWOPT_DAGSTER_URL].
         policy_input_usd_per_mtok / policy_output_usd_per_mtok: what the policy's prompt /
             completion tokens cost, USD per million, >= 0 [FLOWOPT_POLICY_*_USD_PER_MTOK].
@@ -210,7 +220,12 @@ class Settings:
     amqp_url: str = _var("FLOWOPT_AMQP_URL", DEFAULT_AMQP_URL)
     api_tokens: tuple[str, ...] = _var("FLOWOPT_API_TOKENS", (), _tokens, secret=True, repr=False)
     gateway_tokens: tuple[str, ...] = _var("FLOWOPT_GATEWAY_TOKENS", (), _tokens, secret=True, repr=False)
-    upstream_api_key: str | None = _var("FLOWOPT_UPSTREAM_API_KEY", None, secret=True, repr=False)
+    upstream_api_key: str | None = _var(UPSTREAM_API_KEY_VAR, None, secret=True, repr=False)
+    upstream_url: str = _var("FLOWOPT_UPSTREAM_URL", "")
+    upstream_model: str = _var("FLOWOPT_UPSTREAM_MODEL", "")
+    reflection_url: str = _var("FLOWOPT_REFLECTION_URL", "")
+    reflection_model: str = _var("FLOWOPT_REFLECTION_MODEL", "")
+    reflection_api_key: str | None = _var(REFLECTION_API_KEY_VAR, None, secret=True, repr=False)
     dagster_url: str = _var("FLOWOPT_DAGSTER_URL", DEFAULT_DAGSTER_URL)
     policy_input_usd_per_mtok: float = _var("FLOWOPT_POLICY_INPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))
     policy_output_usd_per_mtok: float = _var("FLOWOPT_POLICY_OUTPUT_USD_PER_MTOK", 0.0, _number(0.0, unit="USD per million tokens"))

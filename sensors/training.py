@@ -12,6 +12,12 @@ and are not trained on. Batches
 of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
+The champion's kind decides the round's kind (one change per round, so the gate compares one
+change; ``docs/prompt-policies.md``, "Rounds"): a LoRA adapter gets ``training_round_job``; a
+prompt policy (an agent on a model flowopt does not host, behind ``flowopt serve --upstream``)
+gets ``prompt_round_job`` when an upstream model is configured (``FLOWOPT_UPSTREAM_URL``), and no
+round otherwise.
+
 The instance, not only the cursor, says what is done: a batch that already has a run of
 ``training_round_job`` (launched by this sensor, by ``flowopt demo`` or by hand) is never requested
 again, so a daemon started on an instance where rounds ran without it requests nothing already
@@ -36,50 +42,58 @@ from dagster import (
 )
 
 from flow_assets.data_plane.checks import DATA_CHECKS, failed_data_checks  # noqa: F401 (re-exported: the sensor's decision, shared with the API)
-from flow_assets.jobs import training_history_job, training_round_job
+from flow_assets.jobs import prompt_round_job, training_history_job, training_round_job
+from flow_assets.policy.prompt import is_prompt_policy
 from flow_assets.live_ab.evidence import ab_windows, served_during_ab
 from flow_assets.runtime.recovery import PARTITION_NAME_TAG, batches_to_rerun
 from resources.lake import TrajectoryLake
 from resources.loop import TrainingLoop
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
+from resources.upstream import UpstreamModel
 from sensors.settings import sensor_interval
 
 
 def trained_batches(instance: DagsterInstance) -> set[str]:
-    """Partition keys that have a run of ``training_round_job`` in ``instance``, whatever its
-    status or who launched it."""
-    runs = instance.get_runs(RunsFilter(job_name=training_round_job.name))
+    """Partition keys that have a run of ``training_round_job`` or ``prompt_round_job`` in
+    ``instance``, whatever its status or who launched it."""
+    runs = [r for job in (training_round_job, prompt_round_job) for r in instance.get_runs(RunsFilter(job_name=job.name))]
     return {run.tags[PARTITION_NAME_TAG] for run in runs if PARTITION_NAME_TAG in run.tags}
 
 
 @sensor(
-    job=training_round_job,
+    jobs=[training_round_job, prompt_round_job],
     minimum_interval_seconds=sensor_interval(),
     default_status=DefaultSensorStatus.RUNNING,
     description=(
         "Each log batch of the trainable agent's flows (captured rollouts or its text logs; or an agent of "
         "FLOWOPT_TRAINING_SOURCES) whose advantages are "
-        "materialised and whose data checks passed gets one run of training_round_job. Batches of "
+        "materialised and whose data checks passed gets one run of training_round_job, or of prompt_round_job "
+        "while the champion is a prompt policy (with FLOWOPT_UPSTREAM_URL set). Batches of "
         "other agents stop after advantages; a batch that already has a training run is never "
         "requested again, and a batch served during a live A/B (the experiment's evidence) is not trained on."
     ),
 )
 def training_round_sensor(
-    context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource, loop: TrainingLoop, registry: AdapterRegistry
+    context: SensorEvaluationContext, lake: TrajectoryLake, tasks: TaskSourceResource, loop: TrainingLoop, registry: AdapterRegistry,
+    upstream: UpstreamModel,
 ):
-    """Requests ``training_round_job`` once per new batch of trainable rollouts (cursor: the
-    batches already decided, trainable or not)."""
+    """Requests one round per new batch of trainable flows: ``training_round_job``, or
+    ``prompt_round_job`` while the champion is a prompt policy (cursor: the batches already
+    decided, trainable or not)."""
     decided: set[str] = set(json.loads(context.cursor) if context.cursor else [])
     decided |= trained_batches(context.instance)
     retries = batches_to_rerun(context.instance, training_round_job.name)
     ready = context.instance.get_materialized_partitions(AssetKey("advantages")) - decided
     run_config = loop.run_config(training_round_job.name)
     requests = [
-        RunRequest(run_key=f"train:{key}:after-{run_id[:8]}", partition_key=key, run_config=run_config) for key, run_id in sorted(retries.items())
+        RunRequest(run_key=f"train:{key}:after-{run_id[:8]}", partition_key=key, run_config=run_config, job_name=training_round_job.name)
+        for key, run_id in sorted(retries.items())
     ]
     skipped = []
     windows = ab_windows(registry.load()["history"]) if ready else []
+    champ = registry.champion() if ready else None
+    prompt_rounds = champ is not None and is_prompt_policy(champ["adapter_path"])
     rules = loop.update_rules(tasks.agent_id)
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)
@@ -96,8 +110,15 @@ def training_round_sensor(
         if during_ab:
             context.log.info(f"batch {key}: {during_ab} trajectories were served during a live A/B; not trained on")
             trainable = False
-        if trainable:
-            requests.append(RunRequest(run_key=f"train:{key}", partition_key=key, run_config=run_config))
+        if trainable and prompt_rounds and not upstream.enabled:
+            context.log.warning(f"batch {key}: champion {champ['version']} is a prompt policy and no upstream model is set "
+                                "(FLOWOPT_UPSTREAM_URL): no round")  # fmt: skip
+            trainable = False
+        if trainable and prompt_rounds:
+            requests.append(RunRequest(run_key=f"prompt:{key}", partition_key=key, run_config=loop.run_config(prompt_round_job.name),
+                                       job_name=prompt_round_job.name))  # fmt: skip
+        elif trainable:
+            requests.append(RunRequest(run_key=f"train:{key}", partition_key=key, run_config=run_config, job_name=training_round_job.name))
         else:
             skipped.append(key)
     cursor = json.dumps(sorted(decided))

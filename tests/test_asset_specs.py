@@ -19,6 +19,9 @@ LINEAGE = {
     "evaluation_report": ["policy_checkpoint"],
     "promoted_adapter": ["evaluation_report"],
     "training_history": ["promoted_adapter"],
+    "prompt_candidate": ["advantages", "champion"],
+    "prompt_evaluation": ["prompt_candidate"],
+    "promoted_prompt": ["prompt_evaluation"],
     "ab_test_report": ["rewards"],
     "adapter_evaluation": ["champion"],
     "workflow_step_stats": ["trajectories"],
@@ -30,6 +33,7 @@ CHECKS = {
     ("evaluation_report", "gain"),
     ("evaluation_report", "finite_loss"),
     ("evaluation_report", "kl_bound"),
+    ("prompt_evaluation", "prompt_gate"),
     ("ab_test_report", "challenger_not_worse"),
     ("ab_test_report", "challenger_better"),
 }
@@ -51,6 +55,7 @@ def test_lineage_is_the_loop_champion_rollouts_logs_round(defs):
     assert {s.group_name for k, s in specs.items() if k in ("interaction_logs", "advantages", "landed_logs")} == {"data_plane"}
     assert {s.group_name for k, s in specs.items() if k in ("base_policy", "champion", "rollouts", "promoted_adapter", "adapter_evaluation")} == {"training"}
     assert {s.group_name for k, s in specs.items() if k.startswith("workflow_")} == {"workflows"}
+    assert {s.group_name for k, s in specs.items() if "prompt" in k} == {"prompt_policy"}
 
 
 def test_every_gate_check_blocks_and_says_what_it_checks(defs):

@@ -46,19 +46,18 @@ from flow_assets.demo.text_compare import pair_report
 from flow_assets.logs.schema import Trajectory
 from flow_assets.policy.presets import prepare_model
 from flow_assets.policy.prompt import PromptPolicy
-from flow_assets.policy.prompt_search import best_candidate, demonstration_pool, fewshot_candidates
 from flow_assets.policy.store import PolicyStore
-from flow_assets.rl.evaluation import EVAL_SCHEMA
 from flow_assets.runtime.local import REPO_ROOT
 from flow_assets.serving.agents.builtin import calculator_loop
 from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
 from flow_assets.serving.gateway.app import Gateway
-from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver
+from flow_assets.serving.gateway.engine import AdapterResolver
 from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.serving.gateway.server import GatewayServer
 from flow_assets.serving.gateway.upstream import Upstream
 from flow_assets.tasks.word_problems import WORKED_EXAMPLES
-from flow_assets.training.rounds import evaluation_rows, register_identity_adapter
+from flow_assets.training.prompt_rounds import PromptRoundSettings, landed_usage, proxy_scores, search_prompt
+from flow_assets.training.rounds import register_identity_adapter
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 
@@ -77,26 +76,9 @@ async def zero_shot_word_agent(client, task) -> str | None:
     return await calculator_loop(client, [{"role": "user", "content": task.prompt}], 3, 48)
 
 
-def _proxy(upstream_url: str, registry_root: Path, landing: Path, extra: dict[str, AdapterRef] | None = None) -> GatewayServer:
-    resolver = AdapterResolver(registry_root / "registry.json", extra)
+def _proxy(upstream_url: str, registry_root: Path, landing: Path) -> GatewayServer:
+    resolver = AdapterResolver(registry_root / "registry.json")
     return GatewayServer(Gateway(None, resolver, landing, upstream=Upstream(upstream_url, "policy", None, timeout_s=3600)))
-
-
-def _rows(url: str, tasks: list, score, models: dict[str, str], temperatures: dict[str, float], concurrency: int) -> pl.DataFrame:
-    """Every (policy name -> model name) on ``tasks`` in each mode, through the proxy at ``url``;
-    nothing lands. Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA`."""
-
-    async def everything():
-        runs = {
-            (name, mode): run_rollouts(url, zero_shot_word_agent, tasks, score, 1, agent_id=AGENT_ID,
-                                       config=HarnessConfig(concurrency, 3600.0, model, t, None, land=False))  # fmt: skip
-            for name, model in models.items()
-            for mode, t in temperatures.items()
-        }
-        return dict(zip(runs, await asyncio.gather(*runs.values())))
-
-    results = asyncio.run(everything())
-    return pl.DataFrame([row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)], schema=EVAL_SCHEMA)
 
 
 def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_tasks: list, challenger_path: str, gate: dict,
@@ -210,26 +192,29 @@ def run_prompt_round(
                                                  batch="prompt-collect", config=HarnessConfig(concurrency, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
         seconds["collect"] = round(time.perf_counter() - t0, 1)
         flows = [Trajectory.model_validate_json(line) for f in sorted((root / "landing").rglob("*.jsonl")) for line in f.read_text().splitlines()]
-        pool = demonstration_pool(flows, held_out=[t.task_id for t in held_out])
+        collect_usage = landed_usage(root / "landing")
         print(f"collected {len(flows)} flows of v0 ({sum(r.success for r in collected)} successful) on {collect_tasks} train tasks "
-              f"in {seconds['collect']:.0f} s; {len(pool)} demonstrations (one per solved task)", flush=True)  # fmt: skip
-        # 4. candidates scored on the search tasks
+              f"in {seconds['collect']:.0f} s", flush=True)  # fmt: skip
+        # 4. candidates scored on the search tasks (the same functions as prompt_round_job's)
         t0 = time.perf_counter()
-        candidates = fewshot_candidates(v0, pool, k, num_candidates, seed) if pool else [v0]
-        refs = {f"c{i}": AdapterRef(f"c{i}", str(c.save(models / "prompts" / f"c{i}"))) for i, c in enumerate(candidates)}
-        with _proxy(upstream_url, models, root / "scratch", refs) as proxy:
-            search = _rows(proxy.url, search_on, source.score, {name: name for name in refs}, {"sampled": TEMPERATURE}, concurrency)
-        scores = [search.filter(pl.col("policy") == name)["reward"].to_list() for name in refs]
-        best = best_candidate(scores)
+        settings = PromptRoundSettings(k=k, num_candidates=num_candidates, search_tasks=search_tasks, temperature=TEMPERATURE,
+                                       concurrency=concurrency, seed=seed)  # fmt: skip
+        upstream_model = Upstream(upstream_url, "policy", None, timeout_s=3600)
+
+        def score(prompts: dict, tasks: list, temps: dict, scratch: Path):
+            return proxy_scores(upstream_model, models / "registry.json", prompts, tasks, source.score, zero_shot_word_agent, AGENT_ID,
+                                temps, concurrency, scratch)  # fmt: skip
+
+        found = search_prompt(v0, flows, [t.task_id for t in held_out], search_on, lambda p: score(p, search_on, {"sampled": TEMPERATURE}, root / "search"),
+                              settings)  # fmt: skip
+        candidates, best, means, pool_size = found.candidates, found.best, found.mean_rewards, found.demonstrations
+        winner_path = root / "search" / "prompts" / f"c{best}"
         seconds["search"] = round(time.perf_counter() - t0, 1)
-        means = [round(sum(s) / len(s), 3) for s in scores]
         print(f"search: {len(candidates)} candidates on {search_tasks} train tasks, mean reward {means}; best c{best} "
-              f"({seconds['search']:.0f} s)", flush=True)  # fmt: skip
+              f"({seconds['search']:.0f} s, {found.usage.total} upstream tokens)", flush=True)  # fmt: skip
         # 5. the gate on the held-out split
         t0 = time.perf_counter()
-        with _proxy(upstream_url, models, root / "scratch", refs) as proxy:
-            final = _rows(proxy.url, held_out, source.score, {"v0": "v0", "candidate": f"c{best}"},
-                          {m: temperatures[m] for m in modes}, concurrency)  # fmt: skip
+        final, gate_usage = score({"v0": v0, "candidate": candidates[best]}, held_out, {m: temperatures[m] for m in modes}, root / "gate")
         seconds["gate"] = round(time.perf_counter() - t0, 1)
         seconds["round"] = round(time.perf_counter() - started, 1)
         pairs = pair_report(final, "candidate", "v0")
@@ -239,9 +224,9 @@ def run_prompt_round(
               flush=True)  # fmt: skip
         ab = None
         if passed and live_ab:
-            ab = live_ab_phase(root, models, upstream_url, source, held_out, refs[f"c{best}"].path, pairs)
+            ab = live_ab_phase(root, models, upstream_url, source, held_out, str(winner_path), pairs)
         elif passed:
-            registry.promote("v1", refs[f"c{best}"].path, {"heldout": pairs, "content_hash": candidates[best].content_hash}, by="demo-prompt",
+            registry.promote("v1", str(winner_path), {"heldout": pairs, "content_hash": candidates[best].content_hash}, by="demo-prompt",
                              reason=f"prompt round: sampled {gain:+.3f} on {len(held_out)} held-out tasks, McNemar p {p:.2g}")  # fmt: skip
     seconds["total"] = round(time.perf_counter() - started, 1)
     content = {
@@ -250,13 +235,15 @@ def run_prompt_round(
         "heldout_tasks": len(held_out),
         "start_examples": start_examples,
         "collection": {"tasks": collect_tasks, "group_size": group_size, "flows": len(flows),
-                       "successful": int(sum(r.success for r in collected)), "demonstrations": len(pool)},  # fmt: skip
+                       "successful": int(sum(r.success for r in collected)), "demonstrations": pool_size},  # fmt: skip
         "search": {"k": k, "candidates": len(candidates), "tasks": search_tasks, "mean_reward": means, "best": best,
                    "best_demonstrations": len(candidates[best].demonstrations)},  # fmt: skip
         "success": {m: {p_: float(final.filter((pl.col("mode") == m) & (pl.col("policy") == p_))["success"].mean()) for p_ in ("v0", "candidate")}
                     for m in modes},  # fmt: skip
         "pairs": pairs,
         "passed_gate": passed,
+        "upstream_tokens": {step: {"prompt": u.prompt_tokens, "completion": u.completion_tokens, "unreported_turns": u.unreported_turns}
+                            for step, u in (("collect", collect_usage), ("search", found.usage), ("gate", gate_usage))},  # fmt: skip
         "live_ab": ab,
         "champion": registry.champion()["version"],
         "seconds": seconds,

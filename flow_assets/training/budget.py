@@ -6,6 +6,11 @@ an estimate):
 - policy tokens: for every step the gateway captured, its prompt tokens (``prompt_token_ids``)
   and completion tokens (``token_ids``), priced at ``policy_input_usd_per_mtok`` /
   ``policy_output_usd_per_mtok`` (USD per million tokens; 0 for a self-hosted model, the default);
+  A text-only trajectory (``metadata.capture`` ``text`` or ``mixed``: the gateway proxied its
+  calls to an upstream model, which returns no token ids) counts the ``prompt_tokens`` /
+  ``completion_tokens`` of its metadata instead: the usage the upstream reported;
+- prompt rounds' own upstream calls (search and gate, whose flows never land): the lake's
+  ``round_usage`` table, one row per round step, at the same prices;
 - judge cost: the ``judge_cost_usd`` of each trajectory in the ``rewards`` table (a group's
   request cost shared equally by its trajectories), already priced by the judge's own prices.
 
@@ -25,6 +30,13 @@ from pathlib import Path
 import polars as pl
 
 from flow_assets.settings import Settings
+
+
+#: the lake table of the prompt rounds' upstream usage (partition: the round's batch)
+ROUND_USAGE_TABLE = "round_usage"
+ROUND_USAGE_SCHEMA = {"agent_id": pl.String, "step": pl.String, "timestamp": pl.String, "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
+                      "trajectories": pl.Int64, "unreported_turns": pl.Int64}  # fmt: skip
+_TEXT_CAPTURES = ("text", "mixed")
 
 
 @dataclass(frozen=True)
@@ -57,27 +69,45 @@ def month_of(at: datetime | None = None) -> str:
     return (at or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y-%m")
 
 
-def agent_spend(trajectories: pl.LazyFrame, steps: pl.LazyFrame, rewards: pl.LazyFrame | None, agent_id: str, month: str, prices: Prices) -> Spend:
+def agent_spend(trajectories: pl.LazyFrame, steps: pl.LazyFrame, rewards: pl.LazyFrame | None, agent_id: str, month: str, prices: Prices,
+                round_usage: pl.LazyFrame | None = None) -> Spend:  # fmt: skip
     """What ``agent_id`` spent in ``month`` (module docstring for what counts).
 
     Args:
         trajectories / steps / rewards: the lake's tables, all batches (``rewards`` may lack
             ``judge_cost_usd`` in batches written before it existed: read as 0).
         month: ``YYYY-MM``.
+        round_usage: the lake's ``round_usage`` table (:data:`ROUND_USAGE_SCHEMA`), or ``None``.
     """
     now = month_of()
+    # a frame without metadata (e.g. built by hand) holds no text capture
+    meta = pl.col("metadata") if "metadata" in trajectories.collect_schema().names() else pl.lit(None, dtype=pl.String)
     mine = (
         trajectories.filter(pl.col("agent_id") == agent_id)
-        .select("trajectory_id", pl.col("timestamp").str.to_datetime(time_zone="UTC", strict=False).dt.strftime("%Y-%m").fill_null(now).alias("month"))
+        .select(
+            "trajectory_id",
+            pl.col("timestamp").str.to_datetime(time_zone="UTC", strict=False).dt.strftime("%Y-%m").fill_null(now).alias("month"),
+            text=meta.str.json_path_match("$.capture").is_in(_TEXT_CAPTURES).fill_null(False),
+            meta_prompt=meta.str.json_path_match("$.prompt_tokens").cast(pl.Int64, strict=False).fill_null(0),
+            meta_completion=meta.str.json_path_match("$.completion_tokens").cast(pl.Int64, strict=False).fill_null(0),
+        )
         .filter(pl.col("month") == month)
         .unique("trajectory_id")
     )
-    tokens = (
+    captured = mine.filter(~pl.col("text"))
+    from_steps = (
         steps.select("trajectory_id", prompt=pl.col("prompt_token_ids").list.len().fill_null(0), completion=pl.col("token_ids").list.len().fill_null(0))
-        .join(mine, on="trajectory_id", how="semi")
-        .select(pl.col("prompt").sum(), pl.col("completion").sum())
-        .collect()
+        .join(captured, on="trajectory_id", how="semi")
+        .select(pl.col("prompt").sum().cast(pl.Int64), pl.col("completion").sum().cast(pl.Int64))
     )
+    from_text = mine.filter(pl.col("text")).select(prompt=pl.col("meta_prompt").sum().cast(pl.Int64), completion=pl.col("meta_completion").sum().cast(pl.Int64))
+    parts = [from_steps, from_text]
+    if round_usage is not None:
+        parts.append(
+            round_usage.filter((pl.col("agent_id") == agent_id) & (pl.col("timestamp").str.slice(0, 7) == month))
+            .select(prompt=pl.col("prompt_tokens").sum().cast(pl.Int64), completion=pl.col("completion_tokens").sum().cast(pl.Int64))
+        )
+    tokens = pl.concat(parts).select(pl.col("prompt").sum(), pl.col("completion").sum()).collect()
     prompt, completion = int(tokens["prompt"][0] or 0), int(tokens["completion"][0] or 0)
     judge = 0.0
     if rewards is not None and "judge_cost_usd" in rewards.collect_schema().names():
@@ -109,7 +139,11 @@ def lake_spend(lake, agent_id: str, month: str | None = None, prices: Prices | N
         rewards = lake.scan("rewards")
     except FileNotFoundError:
         rewards = None
-    return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_of())
+    try:
+        round_usage = lake.scan(ROUND_USAGE_TABLE)
+    except FileNotFoundError:
+        round_usage = None
+    return agent_spend(trajectories, steps, rewards, agent_id, month, prices or prices_of(), round_usage)
 
 
 class CachedSpend:
@@ -124,7 +158,7 @@ class CachedSpend:
         prices: the prices to charge (default: :func:`prices_of` the environment, read once, here).
     """
 
-    TABLES = ("trajectories", "steps", "rewards")
+    TABLES = ("trajectories", "steps", "rewards", ROUND_USAGE_TABLE)
 
     def __init__(self, lake, prices: Prices | None = None):
         self.lake, self.prices = lake, prices or prices_of()

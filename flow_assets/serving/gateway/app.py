@@ -715,10 +715,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         sent_messages, sent_tools = prompt.apply(messages, tools) if prompt else (messages, tools)
-        body = forwarded_body(req.model_dump(exclude_unset=True, exclude_none=True), client.upstream, sent_messages, t_override, p_override)
-        if sent_tools is not None:
-            body["tools"] = sent_tools
-        body["model"] = client.upstream.model or name
+        body = forwarded_body(req.model_dump(exclude_unset=True, exclude_none=True), client.upstream.model or name, sent_messages, sent_tools,
+                              t_override, p_override)  # fmt: skip
         temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
         call = _Call(req, rollout_id, time.perf_counter(), name, ref, temperature, top_p, messages, tools,
                      None, upstream_model=body["model"])  # fmt: skip

@@ -86,20 +86,22 @@ class Upstream:
         return text.replace(self.api_key, REDACTED) if self.api_key else text
 
 
-def forwarded_body(request: Mapping[str, Any], upstream: Upstream, messages: list[dict[str, Any]],
+def forwarded_body(request: Mapping[str, Any], model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    temperature: float | None, top_p: float | None) -> dict[str, Any]:  # fmt: skip
-    """The JSON body sent upstream for one chat call (module docstring).
+    """The JSON body sent upstream for one chat call (module docstring), built in one place.
 
     Args:
         request: the agent's request as validated, unset fields left out.
-        upstream: where it goes (its ``model`` replaces the agent's unless ``None``).
-        messages: the messages to send (the agent's, with any prompt policy applied).
+        model: the upstream model name (the proxy's ``--upstream-model``, else the name the agent asked for).
+        messages / tools: what to send (the agent's, with any prompt policy applied; ``tools``
+            ``None``: the request's own field, if any, is left as it is).
         temperature / top_p: the rollout's overrides (``None``: the agent's own value, or none).
     """
     body = dict(request)
+    body["model"] = model
     body["messages"] = messages
-    if upstream.model:
-        body["model"] = upstream.model
+    if tools is not None:
+        body["tools"] = tools
     if temperature is not None:
         body["temperature"] = temperature
     if top_p is not None:
