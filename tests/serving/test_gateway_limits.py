@@ -75,6 +75,15 @@ def test_deep_nesting_and_huge_seeds_are_400_never_500(fresh_policy_dir, tmp_pat
         huge = {**CHAT, "messages": [{"role": "user", "content": "ab " * 1_000_000}]}
         reply = client.post("/v1/chat/completions", json=huge)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+        # a rollout whose only call is refused names the version that refused it (a live A/B counts it)
+        long = {**CHAT, "messages": [{"role": "user", "content": "1+1 " * 100}]}
+        reply = client.post("/rollouts/long-1/v1/chat/completions", json=long)
+        assert reply.status_code == 400 and reply.headers["X-Flowopt-Adapter-Version"] == "v0", reply.text
+        batch = client.post("/rollouts/long-1/finish", json={"task_id": "t", "error": "BadRequestError 400"}).json()["batch"]
+        landed = client.post(f"/batches/{batch}/close").json()["path"]
+        (record,) = [r for r in map(json.loads, open(landed)) if r["trajectory_id"] == "long-1"]
+        assert record["adapter_version"] == "v0" and record["metadata"]["failed_calls"][0]["status"] == 400
+        assert "maximum context length" in record["metadata"]["failed_calls"][0]["message"]
         # an image is refused, naming where it is, not dropped; text parts are read
         parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
         reply = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": parts}]})

@@ -245,3 +245,23 @@ def test_a_prompt_version_is_ab_tested_promoted_and_rolled_back_like_an_adapter(
         registry.promote("v4", str(tmp_path / "lora"), {}, by="test", reason="adapter")
         refused = httpx.post(f"{proxy.url}/v1/chat/completions", json=ask)
     assert refused.status_code == 400 and "v4 is not a prompt policy" in refused.json()["error"]["message"]
+
+
+def test_a_call_the_prompt_version_makes_fail_is_that_versions_failure_in_the_trajectory(upstream_server, tmp_path):
+    """A prompt too long for the upstream's context: every call of the rollout is refused (400),
+    yet the trajectory names the version that caused it, so a live A/B counts the failure."""
+    registry = AdapterRegistry(root=str(tmp_path / "models"))
+    long_demo = ({"role": "user", "content": "1+1 " * 200}, {"role": "assistant", "content": "2"})
+    registry.promote("v1", str(PromptPolicy(demonstrations=(long_demo,)).save(tmp_path / "models" / "prompts" / "v1")), {}, by="test",
+                     reason="too long", action="register")  # fmt: skip
+    with _proxy(upstream_server.url + "/v1", tmp_path) as proxy:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, default_headers={"X-Agent-ID": "f-1"})
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "3*4"}], max_tokens=8)
+        done = httpx.post(f"{proxy.url}/rollouts/f-1/finish", json={"task_id": "t", "error": "BadRequestError 400"}).json()
+        landed = httpx.post(f"{proxy.url}/batches/{done['batch']}/close").json()["path"]
+    assert refused.value.response.headers["X-Flowopt-Adapter-Version"] == "v1"
+    (trajectory,) = _landed(landed)
+    assert trajectory.adapter_version == "v1" and trajectory.steps == [] and trajectory.outcome.score == 0.0
+    (failure,) = trajectory.metadata["failed_calls"]
+    assert failure["version"] == "v1" and failure["status"] == 400 and "maximum context length" in failure["message"]

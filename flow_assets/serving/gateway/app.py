@@ -277,8 +277,28 @@ class _Call:
     usage: dict[str, int] | None = None  # proxy mode: the upstream's token counts
 
 
+#: the response header naming the registry version that served (or refused) a call
+VERSION_HEADER = "X-Flowopt-Adapter-Version"
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     return JSONResponse(error_body(scrub_paths(message), kind, param, code), status_code=status)
+
+
+def _versioned(response: JSONResponse, version: str) -> JSONResponse:
+    """An error answer of a call the registry version ``version`` was serving: its header names
+    the version, as a success's does, and the rollout records the failure as that version's."""
+    response.headers[VERSION_HEADER] = version
+    return response
+
+
+def _error_message(response: JSONResponse) -> str:
+    try:
+        body = json.loads(response.body)
+    except ValueError:
+        return response.body.decode(errors="replace")[:500]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 #: prompts of at most this many non-whitespace characters render on the event loop (well under a
@@ -505,6 +525,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         response = None
         try:
             response = await _serve_call(req, rollout_id, settings, session, request)
+            if isinstance(response, JSONResponse) and response.status_code >= 400 and (version := response.headers.get(VERSION_HEADER)):
+                gateway.recorder.record_failure(rollout_id, version, response.status_code, _error_message(response))
             return response
         finally:
             if not isinstance(response, ChatStream):  # a stream ends the call when it is over
@@ -534,13 +556,13 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         if context is not None and (chars := _whitespace_free_chars(messages, tools)) > 4 * gateway.max_token_chars * context:
             # refused before tokenising (seconds of CPU for megabytes of text): more characters than
             # the context can hold even at the longest token, with a 4x margin for normalisers
-            return _error(
+            return _versioned(_error(
                 400,
                 f"This model's maximum context length is {context} tokens. However, your messages hold {chars} "
                 f"characters, more than {context} tokens can cover.",
                 param="messages",
                 code="context_length_exceeded",
-            )
+            ), ref.version)  # fmt: skip
         return _Call(req, rollout_id, started, name, ref, temperature, top_p, messages, tools, chars if context is not None else None)
 
     async def _render(call: _Call):
@@ -668,13 +690,13 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         if isinstance(call, JSONResponse):
             return call
         if (refused := await _render(call)) is not None:
-            return refused
+            return _versioned(refused, call.ref.version)
         if req.stream:
             return await _stream(call)
         rollouts, connected = await _generated(call, request)
         failed = next((r.error for r in rollouts if r.error), None)
         if failed:
-            return _error(400, failed, param="messages")
+            return _versioned(_error(400, failed, param="messages"), call.ref.version)
         choices, out_choices = _choices(call, rollouts)
         if not connected:
             # recorded as not delivered (never trained); the answer below goes nowhere
@@ -709,7 +731,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         try:
             prompt = gateway.prompt_policy(ref)
         except (OSError, PromptPolicyError) as exc:
-            return _error(400, f"model {name!r} resolves to {ref.version}, which this gateway cannot apply: {exc}", param="model")
+            return _versioned(_error(400, f"model {name!r} resolves to {ref.version}, which this gateway cannot apply: {exc}", param="model"),
+                              ref.version)  # fmt: skip
         t_override = settings.temperature if settings else None
         p_override = settings.top_p if settings else None
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -725,7 +748,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         try:
             data = await client.complete(body)
         except UpstreamError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
+            return _versioned(JSONResponse(exc.body, status_code=exc.status), call.ref.version)
         call.upstream_model, call.usage = data.get("model") or body["model"], data.get("usage")
         ordered = sorted(data["choices"], key=lambda c: c.get("index", 0))
         choices = [_upstream_choice(c.get("message") or {}, c.get("finish_reason")) for c in ordered]
@@ -741,7 +764,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         try:
             first = await anext(upstream, None)
         except UpstreamError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
+            return _versioned(JSONResponse(exc.body, status_code=exc.status), call.ref.version)
         include_usage = bool(call.req.stream_options and call.req.stream_options.include_usage)
         state: dict[str, Any] = {"recorded": False, "chunks": []}
 

@@ -164,6 +164,7 @@ class OpenRollout:
     last_activity: float = 0.0
     started_at: float = field(default_factory=time.time)
     in_flight: int = 0  # calls being served now: the rollout is not idle, whatever their length
+    failed_calls: list[dict[str, Any]] = field(default_factory=list)  # refused calls: {"version", "status", "message"}
 
 
 class RolloutError(ValueError):
@@ -324,6 +325,12 @@ def build_trajectory(
             for t in undelivered
         ]  # fmt: skip
     versions = list(dict.fromkeys(t.adapter_version for t in turns))
+    if rollout.failed_calls:
+        # a call the policy's version refused (its prompt too long for the context, an upstream
+        # error) is that version's failure: the trajectory names it even when no call succeeded,
+        # so a live A/B counts a challenger whose every call fails
+        meta["failed_calls"] = list(rollout.failed_calls)
+        versions = list(dict.fromkeys(versions + [f["version"] for f in rollout.failed_calls]))
     if len(versions) > 1:
         meta["adapter_versions"] = versions
     if error is not None:
@@ -416,6 +423,16 @@ class RolloutRecorder:
                 raise RolloutError(f"rollout {rollout_id!r} is not open")
             rollout.turns.append(turn)
             rollout.last_activity = self.clock()
+
+    def record_failure(self, rollout_id: str, version: str, status: int, message: str) -> None:
+        """A call of the rollout that the policy's ``version`` refused or failed with HTTP
+        ``status`` (kept in the trajectory's ``metadata.failed_calls``; :func:`build_trajectory`).
+        A rollout that is not open is ignored: the call's answer already told the agent."""
+        with self._lock:
+            rollout = self._open.get(rollout_id)
+            if rollout is not None:
+                rollout.failed_calls.append({"version": version, "status": status, "message": message[:500]})
+                rollout.last_activity = self.clock()
 
     def finish(
         self,
