@@ -155,7 +155,9 @@ class PromptPolicy:
             else:
                 messages.insert(0, {"role": "system", "content": self.instructions})
                 lead = 1
-        demos = [copy.deepcopy(m) for demo in self.demonstrations for m in demo]
+        # null fields left out, as the agent's own messages are forwarded: some servers
+        # (llama-cpp-python's) refuse an assistant turn with "content": null beside its tool calls
+        demos = [{k: copy.deepcopy(v) for k, v in m.items() if v is not None} for demo in self.demonstrations for m in demo]
         messages[lead:lead] = demos
         if tools and self.tool_descriptions:
             tools = [
