@@ -10,6 +10,17 @@ from dagster import instance_for_test
 
 pytest_plugins = ["tests.ci_strict"]  # in CI a skip fails (GPU tests excepted)
 
+
+def pytest_configure(config):
+    """Under pytest-xdist (one worker per core), each worker's torch computes on one thread: two
+    workers with a thread per core each oversubscribe the cores, and torch's spinning threads then
+    made the calculator policy's 15-second warm start take 135-141 s (2026-11-27). Set here, at
+    the worker's start-up, before any test (or thread) runs."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TAU_BENCH = SHARED_DATA / "tau-bench" / "gpt-4o-airline.json"
 
@@ -61,9 +72,32 @@ def fresh_policy_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def calculator_policy_dir(tmp_path_factory) -> Path:
-    """A tiny policy warm-started on calculator conversations: it calls its tool, then answers."""
-    return make_policy_dir(tmp_path_factory.mktemp("calculator_policy"), sft_steps=200)
+def calculator_policy_dir(request, tmp_path_factory) -> Path:
+    """A tiny policy warm-started on calculator conversations: it calls its tool, then answers.
+
+    Under pytest-xdist it is trained once for the whole run (the first worker to ask builds it,
+    under a file lock, in the run's shared temporary root) and each worker gets its own copy, so
+    a test that writes into it never races another worker's."""
+    import shutil
+
+    from filelock import FileLock
+
+    own = tmp_path_factory.mktemp("calculator_policy")
+    if not hasattr(request.config, "workerinput"):
+        return make_policy_dir(own, sft_steps=200)
+    shared = tmp_path_factory.getbasetemp().parent / "calculator_policy_shared"
+    with FileLock(str(shared) + ".lock"):
+        if not (shared / ".built").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            make_policy_dir(shared, sft_steps=200)
+            (shared / ".built").touch()
+    shutil.copytree(shared, own, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".built"))
+    # the registry (and its history) name adapters by absolute path: the copy's own
+    for path in [*own.rglob("*.json"), *own.rglob("*.jsonl")]:
+        text = path.read_text()
+        if str(shared) in text:
+            path.write_text(text.replace(str(shared), str(own)))
+    return own
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
