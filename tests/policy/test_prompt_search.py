@@ -31,8 +31,9 @@ def test_successful_proxied_flows_become_the_conversations_the_agent_had():
     assert [d.task_id for d in pool] == ["word-boxes-3-4"]  # failures, held-out tasks and repeats are not demonstrations
     assert list(pool[0].messages) == conversation
     # as a prompt policy's demonstration, the conversation is applied before the agent's question
+    # (its null fields left out, as the agent's own messages are forwarded)
     messages, _ = PromptPolicy("", (pool[0].messages,)).apply([{"role": "user", "content": "q"}], None)
-    assert messages == [*conversation, {"role": "user", "content": "q"}]
+    assert messages == [*({k: v for k, v in m.items() if v is not None} for m in conversation), {"role": "user", "content": "q"}]
 
 
 def test_candidates_are_seeded_distinct_draws_after_the_base_and_ties_go_to_the_earlier():
