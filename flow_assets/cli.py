@@ -95,7 +95,8 @@ def _demo_prompt(args: argparse.Namespace, settings: Settings) -> int:
     try:
         run_prompt_round(root=Path(args.state).resolve(), start_examples=args.start_examples, final_tasks=args.final_tasks,
                          collect_tasks=args.collect_tasks, search_tasks=args.search_tasks, num_candidates=args.candidates, k=args.k,
-                         modes=("sampled", "greedy") if args.greedy else ("sampled",), live_ab=not args.no_live_ab)  # fmt: skip
+                         modes=("sampled", "greedy") if args.greedy else ("sampled",), live_ab=not args.no_live_ab,
+                         under_daemon=not (args.in_process or args.greedy))  # fmt: skip
     except (PresetUnavailable, ValueError, DeploymentError) as exc:
         print(f"flowopt demo-prompt: {exc}", file=sys.stderr)
         return 2
@@ -581,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt.add_argument("--candidates", type=int, default=4, help="candidates besides v0 (default 4)")
     prompt.add_argument("--k", type=int, default=3, help="demonstrations drawn per candidate (default 3)")
     prompt.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the gate (default: all)")
-    prompt.add_argument("--greedy", action="store_true", help="evaluate greedy too at the gate (416 more episodes)")
+    prompt.add_argument("--greedy", action="store_true", help="evaluate greedy too at the gate (416 more episodes; runs the round in process)")
+    prompt.add_argument("--in-process", action="store_true",
+                        help="run the round in this process (the same functions) instead of as prompt_round_job under dagster-daemon")
     prompt.add_argument("--no-live-ab", action="store_true", help="promote a winner that passes the gate at once (no live A/B under the daemon)")
     prompt.set_defaults(fn=_demo_prompt)
     ingest = sub.add_parser(

@@ -96,7 +96,7 @@ def build_resources(
     return {
         "policy": PolicyModel(models_root=settings.models, base_model_path=settings.base_model),
         "registry": AdapterRegistry(root=settings.models),
-        "tasks": tasks or TaskSourceResource(kind=settings.tasks),
+        "tasks": tasks or TaskSourceResource(kind=settings.tasks, agent=settings.agent),
         "loop": loop or TrainingLoop(
             self_play_rounds=settings.self_play_rounds, run_config_path=settings.run_config, sources=dict(settings.training_sources)
         ),

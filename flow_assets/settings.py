@@ -153,6 +153,8 @@ class Settings:
             demo's ``.flowopt.toml`` in the repository never points a test at the demo's state).
         base_model: a local model directory to train instead of the tiny one [FLOWOPT_BASE_MODEL].
         tasks: the task-source kind of the trainable agent [FLOWOPT_TASKS].
+        agent: the agent that works on those tasks, ``module:function`` [FLOWOPT_AGENT]; unset:
+            the kind's built-in agent.
         settle_seconds: seconds a landed file must stay unmodified before the sensor reads it
             [FLOWOPT_SETTLE_SECONDS], >= 0.
         sensor_interval_seconds: least seconds between two evaluations of a sensor
@@ -204,6 +206,7 @@ class Settings:
     project_file: str = _var("FLOWOPT_PROJECT_FILE", PROJECT_FILE, secret=True)
     base_model: str | None = _var("FLOWOPT_BASE_MODEL", None, path=True)
     tasks: str = _var("FLOWOPT_TASKS", "calculator")
+    agent: str | None = _var("FLOWOPT_AGENT", None)
     settle_seconds: float = _var("FLOWOPT_SETTLE_SECONDS", DEFAULT_SETTLE_SECONDS, _number(0.0, unit="seconds"))
     sensor_interval_seconds: int = _var("FLOWOPT_SENSOR_INTERVAL_SECONDS", DEFAULT_SENSOR_INTERVAL_SECONDS, _count(1))
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))

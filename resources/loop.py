@@ -13,7 +13,7 @@ from flow_assets.settings import UPDATE_RULES
 from flow_assets.training.run_config import TRAINING_JOB, round_settings
 
 #: the jobs whose runs the sensors launch, i.e. the keys a run-config file may have
-LOOP_JOBS = ("base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job")
+LOOP_JOBS = ("base_policy_job", "collect_rollouts_job", "log_batch_job", "training_round_job", "training_history_job", "prompt_round_job")
 
 
 class TrainingLoop(ConfigurableResource):

