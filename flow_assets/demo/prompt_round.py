@@ -27,6 +27,12 @@ flowopt does not host (#30).
    text flows; ``new_logs_sensor`` ingests each batch, ``ab_monitor_sensor`` runs ``ab_test_report``
    (the always-valid test of ``docs/live-ab.md``) and promotes or withdraws ``v1``.
 
+By default steps 3 to 6 run as a deployment runs them, under one ``dagster-daemon``
+(:func:`daemon_round`): the round is ``prompt_round_job``, requested by ``training_round_sensor``
+for the collected batch because the champion is a prompt policy, with the same functions
+(:mod:`flow_assets.training.prompt_rounds`) this module calls when it runs the round in process
+(``under_daemon=False``, which alone can add a greedy gate).
+
 State: its own, under ``.demo-prompt/`` (cleared by its next run). Report: ``reports/demo-prompt.json``.
 """
 
