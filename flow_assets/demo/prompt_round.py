@@ -87,6 +87,34 @@ def _proxy(upstream_url: str, registry_root: Path, landing: Path) -> GatewayServ
     return GatewayServer(Gateway(None, resolver, landing, upstream=Upstream(upstream_url, "policy", None, timeout_s=3600)))
 
 
+def _run_ab(instance, daemon, registry: AdapterRegistry, challenger: str, upstream_url: str, root: Path, models: Path, source, live_tasks: list,
+            agent_id: str, timeout: float) -> dict:  # fmt: skip
+    """The live A/B's batches under ``daemon`` (held-out tasks in turn, :data:`AB_SESSIONS_PER_BATCH`
+    sessions each, through the proxy) until ``ab_monitor_sensor`` decides; its numbers and verdict."""
+    from flow_assets.demo.phases import run_live_batches
+
+    started = time.perf_counter()
+    champion = registry.champion()["version"]
+    print(f"live A/B under dagster-daemon: champion {champion} vs challenger {challenger} on {AB_SHARE:.0%} of sessions, "
+          f"{AB_SESSIONS_PER_BATCH} sessions a batch", flush=True)  # fmt: skip
+
+    def serve_batch(b: int) -> None:
+        chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
+        with _proxy(upstream_url, models, root / "landing") as proxy:
+            asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, chosen, source.score, 1, agent_id=agent_id, batch=f"ab-{b:04d}",
+                                     source="live", config=HarnessConfig(AB_SESSIONS_PER_BATCH, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
+
+    meta, batches = run_live_batches(instance, daemon, registry, challenger, serve_batch, AB_MAX_BATCHES, timeout)
+    last = registry.load()["history"][-1]
+    verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
+    seconds = round(time.perf_counter() - started, 1)
+    print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({seconds:.0f} s)", flush=True)
+    return {"decision": meta.get("decision", "none"), "champion": champion, "challenger": challenger, "share": AB_SHARE, "batches": batches,
+            "samples": {"champion": meta.get("n_champion"), "challenger": meta.get("n_challenger")},
+            "success": {"champion": meta.get("champion_success"), "challenger": meta.get("challenger_success")},
+            "p_value": meta.get("p_value"), "registry": verdict, "champion_after": registry.champion()["version"], "seconds": seconds}  # fmt: skip
+
+
 def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_tasks: list, challenger_path: str, gate: dict,
                   timeout: float = 600.0) -> dict:  # fmt: skip
     """Step 6 of the module docstring: ``challenger_path`` on trial against the champion, decided
@@ -96,39 +124,18 @@ def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_task
     Raises:
         DeploymentError: the daemon died, or a batch's report did not come within ``timeout`` s.
     """
-    from flow_assets.demo.phases import run_live_batches
     from flow_assets.runtime.deployment import Daemon
     from flow_assets.runtime.local import local_instance
 
-    started = time.perf_counter()
     registry = AdapterRegistry(root=str(models))
-    champion = registry.champion()["version"]
     challenger = registry.start_challenger(registry.next_version(), challenger_path, {"heldout": gate}, AB_SHARE, by="flowopt demo-prompt",
                                            reason="passed the held-out gate; live traffic decides")["version"]  # fmt: skip
     home = root / "dagster_home"
-    instance = local_instance(home)
     env = {"DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"),
            "FLOWOPT_MODELS": str(models), "FLOWOPT_WORKFLOWS": str(root / "workflows"), "FLOWOPT_SETTLE_SECONDS": "0",
            "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_LIVE_AB": "1", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
-    print(f"live A/B under dagster-daemon: champion {champion} vs challenger {challenger} on {AB_SHARE:.0%} of sessions, "
-          f"{AB_SESSIONS_PER_BATCH} sessions a batch", flush=True)  # fmt: skip
-
-    def serve_batch(b: int) -> None:
-        chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
-        with _proxy(upstream_url, models, root / "landing") as proxy:
-            asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, chosen, source.score, 1, agent_id=AGENT_ID, batch=f"ab-{b:04d}",
-                                     source="live", config=HarnessConfig(AB_SESSIONS_PER_BATCH, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
-
     with Daemon(env, home / "daemon.log") as daemon:
-        meta, batches = run_live_batches(instance, daemon, registry, challenger, serve_batch, AB_MAX_BATCHES, timeout)
-    last = registry.load()["history"][-1]
-    verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
-    seconds = round(time.perf_counter() - started, 1)
-    print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({seconds:.0f} s)", flush=True)
-    return {"decision": meta.get("decision", "none"), "champion": champion, "challenger": challenger, "share": AB_SHARE, "batches": batches,
-            "samples": {"champion": meta.get("n_champion"), "challenger": meta.get("n_challenger")},
-            "success": {"champion": meta.get("champion_success"), "challenger": meta.get("challenger_success")},
-            "p_value": meta.get("p_value"), "registry": verdict, "champion_after": registry.champion()["version"], "seconds": seconds}  # fmt: skip
+        return _run_ab(local_instance(home), daemon, registry, challenger, upstream_url, root, models, source, live_tasks, AGENT_ID, timeout)
 
 
 def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on: list, group_size: int, round_config: dict, live_ab: bool,
@@ -149,7 +156,6 @@ def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on
     """
     from dagster import AssetKey, DagsterRunStatus, RunsFilter
 
-    from flow_assets.demo.phases import run_live_batches
     from flow_assets.runtime.deployment import DeploymentError, Daemon, wait_until
     from flow_assets.runtime.local import local_instance
 
@@ -173,6 +179,7 @@ def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on
             collected = asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, collect_on, source.score, group_size, agent_id=tasks.agent_id,
                                                  batch="prompt-collect", config=HarnessConfig(256, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
         seconds["collect"] = round(time.perf_counter() - started, 1)
+        collect_usage = _usage_dict(landed_usage(root / "landing"))
         print(f"collected {len(collected)} flows of v0 ({sum(r.success for r in collected)} successful) on {len(collect_on)} train tasks "
               f"in {seconds['collect']:.0f} s; waiting for prompt_round_job", flush=True)  # fmt: skip
         done = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
@@ -194,34 +201,15 @@ def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on
         print(f"prompt_round_job on batch {key} ({run.status.value}, {seconds['round'] - seconds['collect']:.0f} s after the collection): "
               f"{meta['demonstrations'].value} demonstrations, candidates' mean reward {search['mean_rewards']}, best c{search['best']}; "
               f"gate: {gate['reason']}", flush=True)  # fmt: skip
-        ab = None
         challenger = registry.challenger()
-        if challenger is not None:
-            print(f"live A/B under the same daemon: champion {registry.champion()['version']} vs challenger {challenger['version']} "
-                  f"on {AB_SHARE:.0%} of sessions, {AB_SESSIONS_PER_BATCH} sessions a batch", flush=True)  # fmt: skip
-            t0 = time.perf_counter()
-            live_tasks = source.tasks("held_out")
-
-            def serve_batch(b: int) -> None:
-                chosen = [live_tasks[(b * AB_SESSIONS_PER_BATCH + i) % len(live_tasks)] for i in range(AB_SESSIONS_PER_BATCH)]
-                with _proxy(upstream_url, models, root / "landing") as proxy:
-                    asyncio.run(run_rollouts(proxy.url, zero_shot_word_agent, chosen, source.score, 1, agent_id=tasks.agent_id, batch=f"ab-{b:04d}",
-                                             source="live", config=HarnessConfig(AB_SESSIONS_PER_BATCH, 3600.0, "policy", TEMPERATURE)))  # fmt: skip
-
-            ab_meta, batches = run_live_batches(instance, daemon, registry, challenger["version"], serve_batch, AB_MAX_BATCHES, 600.0)
-            last = registry.load()["history"][-1]
-            verdict = f"{last['action']} {last['version']} by {last['by']}" if registry.challenger() is None else "still on trial"
-            ab = {"decision": ab_meta.get("decision", "none"), "challenger": challenger["version"], "batches": batches,
-                  "samples": {"champion": ab_meta.get("n_champion"), "challenger": ab_meta.get("n_challenger")},
-                  "success": {"champion": ab_meta.get("champion_success"), "challenger": ab_meta.get("challenger_success")},
-                  "p_value": ab_meta.get("p_value"), "registry": verdict, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
-            print(f"live A/B: {verdict}; champion {registry.champion()['version']} ({ab['seconds']:.0f} s)", flush=True)
+        ab = None if challenger is None else _run_ab(instance, daemon, registry, challenger["version"], upstream_url, root, models, source,
+                                                     source.tasks("held_out"), tasks.agent_id, 600.0)  # fmt: skip
     usage = {row["step"]: {"prompt": row["prompt_tokens"], "completion": row["completion_tokens"]}
              for row in pl.read_parquet(root / "lake" / "round_usage" / f"batch={key}" / "data.parquet").iter_rows(named=True)}  # fmt: skip
     return {"batch": key, "run": run.run_id, "run_status": run.status.value, "collection": {"flows": len(collected),
             "successful": int(sum(r.success for r in collected)), "demonstrations": search["demonstrations"]},
             "search": {"mean_reward": search["mean_rewards"], "best": search["best"], "tasks": len(search["search_task_ids"])},
-            "gate": gate, "live_ab": ab, "round_usage": usage, "collect_usage": _usage_dict(landed_usage(root / "landing")), "seconds": seconds}  # fmt: skip
+            "gate": gate, "live_ab": ab, "round_usage": usage, "collect_usage": collect_usage, "seconds": seconds}  # fmt: skip
 
 
 def _usage_dict(u) -> dict:
