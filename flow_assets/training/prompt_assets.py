@@ -13,6 +13,7 @@ compares one change. The round's upstream calls (search and gate) are written to
 
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -153,6 +154,8 @@ def prompt_candidate(
         held_out_ids = [t.task_id for t in source.tasks("held_out")]
         search_on = search_tasks_for(source.tasks("train"), {f.task_id for f in flows if f.task_id}, settings.search_tasks, settings.seed)
         work = round_dir(registry, key)
+        for old in ("search", "reflection", "candidate"):  # a re-run starts afresh: its flows are read back by task
+            shutil.rmtree(work / old, ignore_errors=True)
         score = lambda prompts: proxy_scores(upstream.upstream(), registry.path, prompts, search_on, source.score, tasks.agent_fn(),  # noqa: E731
                                              tasks.agent_id, {"sampled": settings.temperature}, settings.concurrency, work / "search")  # fmt: skip
         found = search_prompt(prompt, flows, held_out_ids, search_on, score, settings)
@@ -220,6 +223,7 @@ def prompt_evaluation(
                       "reason": "no candidate beat the champion prompt on the search tasks"}  # fmt: skip
         else:
             held_out = source.tasks("held_out")[: settings.heldout_tasks]
+            shutil.rmtree(work / "gate", ignore_errors=True)
             rows, usage = proxy_scores(upstream.upstream(), registry.path, {"champion": prompt, "candidate": candidate}, held_out, source.score,
                                        tasks.agent_fn(), tasks.agent_id, {"sampled": settings.temperature}, settings.concurrency, work / "gate")  # fmt: skip
             _record_usage(lake, key, tasks.agent_id, "gate", usage)
