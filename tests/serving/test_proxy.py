@@ -6,6 +6,7 @@ machine), behind a bearer token that plays the hosted API's key."""
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import httpx
@@ -265,3 +266,24 @@ def test_a_call_the_prompt_version_makes_fail_is_that_versions_failure_in_the_tr
     assert trajectory.adapter_version == "v1" and trajectory.steps == [] and trajectory.outcome.score == 0.0
     (failure,) = trajectory.metadata["failed_calls"]
     assert failure["version"] == "v1" and failure["status"] == 400 and "maximum context length" in failure["message"]
+
+
+def test_an_agent_that_leaves_a_plain_call_cancels_the_upstreams_generation(upstream_server, tmp_path):
+    """The proxy closes its upstream call when its agent goes away (a timeout), so the upstream
+    (here a flowopt gateway, which counts such cancellations) stops generating for nobody."""
+
+    def cancelled(url: str) -> float:
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith('flowopt_gateway_cancelled_total{mode="plain"}'))
+
+    before = cancelled(upstream_server.url)
+    with _proxy(upstream_server.url + "/v1", tmp_path) as proxy:
+        proxy_before = cancelled(proxy.url)
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=0.05)
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "12+30"}], max_tokens=96, n=8, temperature=1.0)
+        deadline = time.monotonic() + 30
+        while cancelled(upstream_server.url) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cancelled(proxy.url) == proxy_before + 1  # the proxy saw its agent leave
+    assert cancelled(upstream_server.url) == before + 1  # and the upstream stopped generating

@@ -285,6 +285,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(scrub_paths(message), kind, param, code), status_code=status)
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns when the client of ``request`` disconnects (its body has been read, so the next
+    ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _versioned(response: JSONResponse, version: str) -> JSONResponse:
     """An error answer of a call the registry version ``version`` was serving: its header names
     the version, as a success's does, and the rollout records the failure as that version's."""
@@ -665,13 +672,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         future = asyncio.wrap_future(gateway.batcher.submit(call.work))
         if request is None:
             return await future, True
-
-        async def gone() -> None:
-            # the body has been read, so the next ASGI message is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(gone())
+        watcher = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait((future, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not future.done() and watcher.done() and watcher.exception() is None:
@@ -685,7 +686,7 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
     async def _serve_call(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None,
                           request: Request | None = None):  # fmt: skip
         if gateway.upstream is not None:
-            return await _proxy(req, rollout_id, settings, session)
+            return await _proxy(req, rollout_id, settings, session, request)
         call = _prepare(req, rollout_id, settings, session)
         if isinstance(call, JSONResponse):
             return call
@@ -717,10 +718,13 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
             headers={"X-Flowopt-Adapter-Version": call.ref.version},
         )
 
-    async def _proxy(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None):
+    async def _proxy(req: ChatCompletionRequest, rollout_id: str | None, settings: RolloutSettings | None, session: str | None,
+                     request: Request | None = None):  # fmt: skip
         """Proxy mode: apply the prompt policy the model name resolves to (none for a name the
         registry does not know), forward the call to the upstream and capture its answer as a
-        text-only turn of the messages the agent sent (:mod:`flow_assets.serving.gateway.upstream`)."""
+        text-only turn of the messages the agent sent (:mod:`flow_assets.serving.gateway.upstream`).
+        A client that leaves before a non-streamed answer came cancels the upstream call (its
+        connection closed, so the upstream can stop generating); nothing is recorded for it."""
         client = gateway.upstream
         name = settings.model if settings and settings.model else req.model
         try:
@@ -745,8 +749,21 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                      None, upstream_model=body["model"])  # fmt: skip
         if req.stream:
             return await _proxy_stream(call, body)
+        answer = asyncio.ensure_future(client.complete(body))
+        if request is not None:
+            watcher = asyncio.ensure_future(_client_gone(request))
+            try:
+                await asyncio.wait((answer, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if not answer.done():
+                    answer.cancel()
+                    cancelled_total.labels("plain").inc()
+                    with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                        await answer
+                    return _error(499, "the client closed the request before the upstream answered", code="client_closed_request")
+            finally:
+                watcher.cancel()
         try:
-            data = await client.complete(body)
+            data = await answer
         except UpstreamError as exc:
             return _versioned(JSONResponse(exc.body, status_code=exc.status), call.ref.version)
         call.upstream_model, call.usage = data.get("model") or body["model"], data.get("usage")
