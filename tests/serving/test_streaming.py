@@ -23,8 +23,23 @@ def _landed(path: str) -> dict[str, Trajectory]:
     return {t.trajectory_id: t for t in trajectories}
 
 
-#: a call that decodes for seconds on CPU: the fresh tiny policy's greedy completion runs to max_tokens
+#: a call that decodes for a while on CPU: the fresh tiny policy's greedy completion runs to max_tokens
 LONG = {"n": 64, "temperature": 0.0, "max_tokens": 110}
+#: how long a client waits before it gives up on a LONG call, shortest last: a fixed 0.3 s was
+#: outrun by an idle machine (64 x 110 tokens in under 0.3 s), and under load one call took 1.6
+#: to 12 s, so no single value both comes first and leaves time for the first token
+PATIENCE = (0.3, 0.1, 0.03, 0.01)
+
+
+def leave_mid_call(call) -> int:
+    """``call(attempt, timeout)`` with each timeout of :data:`PATIENCE` in turn until one times out
+    (it raises ``httpx.TimeoutException`` or ``openai.APITimeoutError``); the attempt that did."""
+    for attempt, timeout in enumerate(PATIENCE):
+        try:
+            call(attempt, timeout)
+        except (httpx.TimeoutException, openai.APITimeoutError):
+            return attempt
+    pytest.fail(f"every LONG call finished before its client gave up ({PATIENCE} s)")
 
 
 def _cancelled(url: str) -> float:
@@ -165,21 +180,25 @@ def test_a_client_that_leaves_mid_stream_leaves_an_undelivered_turn_that_is_not_
 def test_a_client_that_times_out_cancels_its_generation_and_its_retry_is_the_only_turn(fresh_policy_dir, tmp_path):
     body = {"model": "policy", "messages": [{"role": "user", "content": "ab"}]}
     with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
-        client.post("/rollouts", json={"rollout_id": "retried", "task_id": "t", "batch": "b"})
-        before = _completion_tokens(server.url)
-        # seconds of decoding on CPU; the client gives up after 0.3 s and closes its connection,
-        # as the openai client does before it retries
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/rollouts/retried/v1/chat/completions", json={**body, **LONG}, timeout=0.3)
+        before = {}
+
+        def call(attempt: int, timeout: float) -> None:
+            # the client gives up mid-generation and closes its connection, as the openai client
+            # does before it retries (a call that finished first is its own rollout, never closed)
+            client.post("/rollouts", json={"rollout_id": f"retried-{attempt}", "task_id": "t", "batch": f"b{attempt}"})
+            before["tokens"] = _completion_tokens(server.url)
+            httpx.post(f"{server.url}/rollouts/retried-{attempt}/v1/chat/completions", json={**body, **LONG}, timeout=timeout)
+
+        rid = f"retried-{(attempt := leave_mid_call(call))}"
         deadline = time.monotonic() + 60
-        while _completion_tokens(server.url) == before and time.monotonic() < deadline:
+        while _completion_tokens(server.url) == before["tokens"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        abandoned = _completion_tokens(server.url) - before
-        retry = client.post("/rollouts/retried/v1/chat/completions", json={**body, "max_tokens": 4}).json()
-        client.post("/rollouts/retried/finish", json={"score": 1.0})
-        landed = _landed(client.post("/batches/b/close").json()["path"])
+        abandoned = _completion_tokens(server.url) - before["tokens"]
+        retry = client.post(f"/rollouts/{rid}/v1/chat/completions", json={**body, "max_tokens": 4}).json()
+        client.post(f"/rollouts/{rid}/finish", json={"score": 1.0})
+        landed = _landed(client.post(f"/batches/b{attempt}/close").json()["path"])
         cancelled = _cancelled(server.url)
-    trajectory = landed["retried"]
+    trajectory = landed[rid]
     # the retry is the turn; the abandoned one is listed, not trained
     assert [s.output for s in trajectory.steps] == [retry["choices"][0]["message"]["content"]]
     (undelivered,) = trajectory.metadata["undelivered_turns"]
