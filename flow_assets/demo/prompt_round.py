@@ -64,6 +64,8 @@ from flow_assets.serving.gateway.upstream import Upstream
 from flow_assets.tasks.word_problems import WORKED_EXAMPLES
 from flow_assets.training.prompt_rounds import PromptRoundSettings, landed_usage, proxy_scores, search_prompt
 from flow_assets.training.rounds import register_identity_adapter
+from flow_assets.training.budget import ROUND_USAGE_TABLE
+from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 
@@ -205,7 +207,7 @@ def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on
         ab = None if challenger is None else _run_ab(instance, daemon, registry, challenger["version"], upstream_url, root, models, source,
                                                      source.tasks("held_out"), tasks.agent_id, 600.0)  # fmt: skip
     usage = {row["step"]: {"prompt": row["prompt_tokens"], "completion": row["completion_tokens"]}
-             for row in pl.read_parquet(root / "lake" / "round_usage" / f"batch={key}" / "data.parquet").iter_rows(named=True)}  # fmt: skip
+             for row in TrajectoryLake(root=str(root / "lake")).read_partition(ROUND_USAGE_TABLE, key).iter_rows(named=True)}  # fmt: skip
     return {"batch": key, "run": run.run_id, "run_status": run.status.value, "collection": {"flows": len(collected),
             "successful": int(sum(r.success for r in collected)), "demonstrations": search["demonstrations"]},
             "search": {"mean_reward": search["mean_rewards"], "best": search["best"], "tasks": len(search["search_task_ids"])},
