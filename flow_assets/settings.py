@@ -83,6 +83,15 @@ def _sources(var: str, raw: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _schedule(var: str, raw: str) -> tuple[str, ...]:
+    """``"prompt,adapter"`` -> ``("prompt", "adapter")``: the kinds of round a hosted policy
+    cycles through (:func:`flow_assets.policy.prompt.next_round_kind`)."""
+    kinds = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if not kinds or set(kinds) - {"adapter", "prompt"}:
+        raise ValueError(f"{var}={raw!r}: expected a comma-separated list of adapter / prompt, e.g. prompt,adapter")
+    return kinds
+
+
 def _flag(var: str, raw: str) -> bool:
     if raw.lower() in _TRUE:
         return True
@@ -168,6 +177,11 @@ class Settings:
             the policy itself wrote, logged under another agent id)
             [FLOWOPT_TRAINING_SOURCES, ``agent_id=rule`` comma-separated]; empty (the default):
             only the policy's own agent trains it.
+        round_schedule: the kinds of round a hosted policy (a LoRA adapter, with or without a
+            prompt policy) cycles through, one change per round [FLOWOPT_ROUND_SCHEDULE,
+            comma-separated ``adapter`` / ``prompt``]; ``adapter`` (the default): LoRA rounds
+            only; ``prompt,adapter``: optimise the prompt, then train the adapter under it. A
+            prompt policy alone always gets prompt rounds.
         tracking: experiment tracking target, ``""`` = off [FLOWOPT_TRACKING].
         live_ab: whether a gated candidate enters live A/B as challenger [FLOWOPT_LIVE_AB].
         live_ab_share: the challenger's share of sessions, in (0, 1) [FLOWOPT_LIVE_AB_SHARE].
@@ -212,6 +226,7 @@ class Settings:
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))
     run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
     training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)
+    round_schedule: tuple[str, ...] = _var("FLOWOPT_ROUND_SCHEDULE", ("adapter",), _schedule)
     tracking: str = _var("FLOWOPT_TRACKING", "")
     live_ab: bool = _var("FLOWOPT_LIVE_AB", False, _flag)
     live_ab_share: float = _var("FLOWOPT_LIVE_AB_SHARE", 0.1, _number(0.0, 1.0, open_low=True))

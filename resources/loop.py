@@ -35,6 +35,8 @@ class TrainingLoop(ConfigurableResource):
             :func:`flow_assets.training.run_config.round_settings` and rebuilt by
             :func:`~flow_assets.training.run_config.round_run_config`, so a wrong or renamed field is
             refused when the file is read, naming the file.
+        round_schedule: the kinds of round a hosted policy cycles through
+            (:func:`flow_assets.policy.prompt.next_round_kind`); ``["adapter"]`` by default.
     """
 
     self_play_rounds: int = Field(0, description="rounds self_play_sensor runs on its own (0: off)")
@@ -44,6 +46,11 @@ class TrainingLoop(ConfigurableResource):
         "for agents besides the task source's own, whose batches then train the policy too",
     )
     run_config_path: str | None = Field(None, description="JSON file {job name: run config} the sensors launch runs with")
+    round_schedule: list[str] = Field(
+        default_factory=lambda: ["adapter"],
+        description="the kinds of round (adapter / prompt) a hosted policy cycles through, one change per round; "
+        "['prompt', 'adapter']: optimise the prompt, then train the adapter under it",
+    )
 
     def update_rules(self, own_agent: str) -> dict[str, str]:
         """``agent_id -> update rule`` of every agent whose flows train the policy: :attr:`sources`

@@ -28,10 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow_assets.core.atomic import write_json_atomic
 from flow_assets.settings import DEFAULT_MODELS
-from flow_assets.policy.prompt import PromptPolicy, PromptPolicyError, is_prompt_policy
+from flow_assets.policy.prompt import ADAPTER_CONFIG, PromptPolicy, PromptPolicyError, is_prompt_policy
 
-#: files that make a directory a PEFT LoRA adapter: the config and one of the weight files
-ADAPTER_CONFIG = "adapter_config.json"
+#: files that make a directory a PEFT LoRA adapter: the config (ADAPTER_CONFIG) and one of the weight files
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: history actions that make their version the champion
 _CHAMPION_ACTIONS = ("register", "promote", "rollback")
@@ -44,7 +43,8 @@ class RegistryError(RuntimeError):
 def adapter_problem(adapter_path: str | os.PathLike) -> str | None:
     """Why ``adapter_path`` is not a LoRA adapter directory that can serve, or ``None``: it must
     be a directory holding :data:`ADAPTER_CONFIG` and one of :data:`ADAPTER_WEIGHTS`, non-empty,
-    or a prompt policy directory whose ``prompt_policy.json`` loads (:mod:`flow_assets.policy.prompt`)."""
+    or a prompt policy directory whose ``prompt_policy.json`` loads (:mod:`flow_assets.policy.prompt`),
+    or both (an adapter served under a prompt policy: each must pass)."""
     path = Path(adapter_path)
     if not path.is_dir():
         return f"its adapter {path} is gone" if not path.exists() else f"its adapter {path} is not a directory"
@@ -53,7 +53,8 @@ def adapter_problem(adapter_path: str | os.PathLike) -> str | None:
             PromptPolicy.load(path)
         except (OSError, PromptPolicyError) as exc:
             return f"its prompt policy cannot be read: {exc}"
-        return None
+        if not (path / ADAPTER_CONFIG).is_file():  # a prompt policy alone (served by the proxy)
+            return None
     if not (path / ADAPTER_CONFIG).is_file():
         return f"its adapter directory {path} has no {ADAPTER_CONFIG}"
     weights = [path / name for name in ADAPTER_WEIGHTS if (path / name).is_file()]

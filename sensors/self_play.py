@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from dagster import DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
-from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, training_history_job, training_round_job
+from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, prompt_round_job, training_history_job, training_round_job
 from flow_assets.runtime.recovery import PARTITION_NAME_TAG
 from flow_assets.training.rounds import landing_source
 from flow_assets.core.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
@@ -66,8 +66,11 @@ def loop_state(instance, agent_id: str) -> LoopState:
     """The :class:`LoopState` of ``agent_id`` on ``instance``."""
     source = key_component(landing_source(agent_id))
     batches = tuple(k for k in instance.get_dynamic_partitions("log_batches") if key_source(k) == source)
+    # a round of either kind (FLOWOPT_ROUND_SCHEDULE may give a turn to the prompt) ends a batch
     trained = {
-        r.tags.get(PARTITION_NAME_TAG) for r in instance.get_runs(RunsFilter(job_name=training_round_job.name, statuses=FINISHED))
+        r.tags.get(PARTITION_NAME_TAG)
+        for job in (training_round_job, prompt_round_job)
+        for r in instance.get_runs(RunsFilter(job_name=job.name, statuses=FINISHED))
     }
     dead = {
         r.tags.get(PARTITION_NAME_TAG)

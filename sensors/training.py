@@ -12,11 +12,15 @@ and are not trained on. Batches
 of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
-The champion's kind decides the round's kind (one change per round, so the gate compares one
-change; ``docs/prompt-policies.md``, "Rounds"): a LoRA adapter gets ``training_round_job``; a
-prompt policy (an agent on a model flowopt does not host, behind ``flowopt serve --upstream``)
-gets ``prompt_round_job`` when an upstream model is configured (``FLOWOPT_UPSTREAM_URL``), and no
-round otherwise.
+The champion's kind and the round schedule decide the round's kind (one change per round, so
+the gate compares one change; ``docs/training.md``, "Prompt-policy rounds";
+:func:`flow_assets.policy.prompt.next_round_kind`): a prompt policy alone (an agent on a model
+flowopt does not host, behind ``flowopt serve --upstream``) gets ``prompt_round_job`` when an
+upstream model is configured (``FLOWOPT_UPSTREAM_URL``), and no round otherwise; a hosted policy
+(a LoRA adapter, with or without a prompt policy) gets the kind ``FLOWOPT_ROUND_SCHEDULE`` names
+for its turn (``adapter``, the default: ``training_round_job`` every time; ``prompt,adapter``:
+a prompt round, then a LoRA round under the prompt it found, and again), the turn counted over
+the instance's rounds of both kinds.
 
 The instance, not only the cursor, says what is done: a batch that already has a run of
 ``training_round_job`` (launched by this sensor, by ``flowopt demo`` or by hand) is never requested
@@ -43,7 +47,7 @@ from dagster import (
 
 from flow_assets.data_plane.checks import DATA_CHECKS, failed_data_checks  # noqa: F401 (re-exported: the sensor's decision, shared with the API)
 from flow_assets.jobs import prompt_round_job, training_history_job, training_round_job
-from flow_assets.policy.prompt import is_prompt_policy
+from flow_assets.policy.prompt import next_round_kind, policy_kind
 from flow_assets.live_ab.evidence import ab_windows, served_during_ab
 from flow_assets.runtime.recovery import PARTITION_NAME_TAG, batches_to_rerun
 from resources.lake import TrajectoryLake
@@ -69,7 +73,8 @@ def trained_batches(instance: DagsterInstance) -> set[str]:
         "Each log batch of the trainable agent's flows (captured rollouts or its text logs; or an agent of "
         "FLOWOPT_TRAINING_SOURCES) whose advantages are "
         "materialised and whose data checks passed gets one run of training_round_job, or of prompt_round_job "
-        "while the champion is a prompt policy (with FLOWOPT_UPSTREAM_URL set). Batches of "
+        "while the champion is a prompt policy (with FLOWOPT_UPSTREAM_URL set) or FLOWOPT_ROUND_SCHEDULE gives a hosted "
+        "policy's turn to its prompt. Batches of "
         "other agents stop after advantages; a batch that already has a training run is never "
         "requested again, and a batch served during a live A/B (the experiment's evidence) is not trained on."
     ),
@@ -79,10 +84,12 @@ def training_round_sensor(
     upstream: UpstreamModel,
 ):
     """Requests one round per new batch of trainable flows: ``training_round_job``, or
-    ``prompt_round_job`` while the champion is a prompt policy (cursor: the batches already
-    decided, trainable or not)."""
+    ``prompt_round_job`` while the champion is a prompt policy or the round schedule gives the
+    turn to the prompt (cursor: the batches already decided, trainable or not)."""
     decided: set[str] = set(json.loads(context.cursor) if context.cursor else [])
-    decided |= trained_batches(context.instance)
+    done = trained_batches(context.instance)
+    decided |= done
+    rounds_so_far = len(done)
     retries = batches_to_rerun(context.instance, training_round_job.name)
     ready = context.instance.get_materialized_partitions(AssetKey("advantages")) - decided
     run_config = loop.run_config(training_round_job.name)
@@ -93,7 +100,7 @@ def training_round_sensor(
     skipped = []
     windows = ab_windows(registry.load()["history"]) if ready else []
     champ = registry.champion() if ready else None
-    prompt_rounds = champ is not None and is_prompt_policy(champ["adapter_path"])
+    kind = policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
     rules = loop.update_rules(tasks.agent_id)
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)
@@ -110,11 +117,13 @@ def training_round_sensor(
         if during_ab:
             context.log.info(f"batch {key}: {during_ab} trajectories were served during a live A/B; not trained on")
             trainable = False
-        if trainable and prompt_rounds and not upstream.enabled:
+        if trainable and kind == "prompt" and not upstream.enabled:
             context.log.warning(f"batch {key}: champion {champ['version']} is a prompt policy and no upstream model is set "
                                 "(FLOWOPT_UPSTREAM_URL): no round")  # fmt: skip
             trainable = False
-        if trainable and prompt_rounds:
+        round_kind = next_round_kind(kind, loop.round_schedule, rounds_so_far) if trainable else None
+        rounds_so_far += trainable
+        if round_kind == "prompt":
             requests.append(RunRequest(run_key=f"prompt:{key}", partition_key=key, run_config=loop.run_config(prompt_round_job.name),
                                        job_name=prompt_round_job.name))  # fmt: skip
         elif trainable:

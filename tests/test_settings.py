@@ -186,3 +186,14 @@ def test_training_sources_name_agents_and_their_update_rules():
     assert loop.update_rules("calc") == {"gpt-4o-airline": "awr", "my-agent-v1": "grpo", "calc": "grpo"}
     with pytest.raises(ValueError, match="own agent 'calc' trains with grpo"):
         TrainingLoop(sources={"calc": "awr"}).update_rules("calc")
+
+
+def test_the_round_schedule_is_a_cycle_of_round_kinds_reaching_the_loop():
+    from flow_assets.definitions import build_resources
+
+    assert Settings.from_environ({}).round_schedule == ("adapter",)
+    settings = Settings.from_environ({"FLOWOPT_ROUND_SCHEDULE": " prompt, adapter ,"})
+    assert settings.round_schedule == ("prompt", "adapter")
+    assert build_resources(settings)["loop"].round_schedule == ["prompt", "adapter"]
+    with pytest.raises(ValueError, match="FLOWOPT_ROUND_SCHEDULE='prompt,weights'"):
+        Settings.from_environ({"FLOWOPT_ROUND_SCHEDULE": "prompt,weights"})

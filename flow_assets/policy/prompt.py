@@ -22,7 +22,13 @@ How the gateway applies it to a request (:meth:`PromptPolicy.apply`), in this or
 3. **Tool descriptions**: each tool of the request whose ``function.name`` has an override gets
    that description; the tool's name and parameters never change, so the agent's calls still parse.
 
-An empty policy changes nothing. The content hash (:attr:`PromptPolicy.content_hash`) is
+An empty policy changes nothing. The same policy applies wherever a version is served: by the
+proxy in front of an upstream model (a directory holding only ``prompt_policy.json``), and by the
+hosting gateway to a version whose directory holds a LoRA adapter *and* ``prompt_policy.json``
+(an adapter trained under that prompt; :func:`policy_kind`). The captured token ids are those of
+the prompt as applied (what the model saw); the trajectory's messages are the agent's own.
+
+The content hash (:attr:`PromptPolicy.content_hash`) is
 sha256 over the canonical JSON of the three fields, so two directories with the same policy have
 the same hash whatever their version names.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,3 +178,82 @@ class PromptPolicy:
 def is_prompt_policy(directory: str | Path) -> bool:
     """Whether ``directory`` holds a prompt policy (a ``prompt_policy.json``)."""
     return (Path(directory) / PROMPT_POLICY_FILE).is_file()
+
+
+#: the LoRA adapter's configuration file (PEFT's format); its presence makes a version hosted
+ADAPTER_CONFIG = "adapter_config.json"
+
+#: the kinds of policy a registry version can be (:func:`policy_kind`)
+POLICY_KINDS = ("adapter", "prompt", "adapter+prompt")
+
+
+def policy_kind(directory: str | Path) -> str:
+    """What a version directory holds: ``"adapter"`` (a LoRA adapter, served by a gateway that
+    hosts the base model), ``"prompt"`` (only a prompt policy, served by the proxy in front of an
+    upstream model), or ``"adapter+prompt"`` (an adapter and the prompt policy it is served
+    under, hosted). A directory with neither counts as ``"adapter"`` (what loading it says is
+    :func:`resources.registry.adapter_problem`'s to report)."""
+    path = Path(directory)
+    prompt = is_prompt_policy(path)
+    if prompt and not (path / ADAPTER_CONFIG).is_file():
+        return "prompt"
+    return "adapter+prompt" if prompt else "adapter"
+
+
+def carry_prompt(parent: str | Path, child: str | Path) -> bool:
+    """Copy the prompt policy of version directory ``parent`` (if it has one) into ``child`` (a
+    new adapter trained under it), so the child is served under the same prompt and differs from
+    its parent by its weights only. Returns whether a policy was copied.
+
+    Raises:
+        PromptPolicyError: the parent's policy does not load (checked, not copied blindly).
+    """
+    if not is_prompt_policy(parent):
+        return False
+    PromptPolicy.load(parent).save(child)
+    return True
+
+
+def hosted_version(adapter_dir: str | Path, prompt: PromptPolicy, target: str | Path) -> Path:
+    """A version directory at ``target`` holding the LoRA adapter of ``adapter_dir`` (its files
+    copied, except any prompt policy it had) under ``prompt``: the candidate of a prompt round on
+    a hosted policy, which differs from its champion by the prompt only.
+
+    Raises:
+        FileNotFoundError: ``adapter_dir`` holds no :data:`ADAPTER_CONFIG`.
+    """
+    source, path = Path(adapter_dir), Path(target)
+    if not (source / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(f"{source}: no {ADAPTER_CONFIG}, not a LoRA adapter directory")
+    path.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and item.name != PROMPT_POLICY_FILE:
+            shutil.copyfile(item, path / item.name)
+    return prompt.save(path)
+
+
+#: the kinds of round a policy gets (one change per round): new weights, or a new prompt
+ROUND_KINDS = ("adapter", "prompt")
+
+
+def next_round_kind(kind: str, schedule: tuple[str, ...] | list[str], rounds_so_far: int) -> str:
+    """The kind of the next round for a champion of ``kind`` (:func:`policy_kind`): one change
+    per round, so the gate always compares one change (``docs/training.md``, "Prompt-policy rounds").
+
+    - a prompt policy alone (an upstream model flowopt cannot train): ``"prompt"``, always;
+    - a hosted policy (an adapter, with or without a prompt policy): ``schedule`` read as a cycle,
+      round ``rounds_so_far`` (0-based, counted over both kinds) taking
+      ``schedule[rounds_so_far % len(schedule)]``. ``("adapter",)`` (the default): LoRA rounds
+      only; ``("prompt", "adapter")``: optimise the prompt, then train the adapter under it, and
+      again.
+
+    Raises:
+        ValueError: an empty schedule, or a kind not in :data:`ROUND_KINDS` / :data:`POLICY_KINDS`.
+    """
+    if kind not in POLICY_KINDS:
+        raise ValueError(f"policy kind {kind!r} is not one of {', '.join(POLICY_KINDS)}")
+    if not schedule or set(schedule) - set(ROUND_KINDS):
+        raise ValueError(f"round schedule {list(schedule)!r}: expected a non-empty list of {', '.join(ROUND_KINDS)}")
+    if kind == "prompt":
+        return "prompt"
+    return schedule[rounds_so_far % len(schedule)]

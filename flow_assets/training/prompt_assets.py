@@ -5,8 +5,10 @@
         prompt_candidate -> prompt_evaluation (+ blocking check prompt_gate) -> promoted_prompt
 
 A batch gets a prompt round instead of a LoRA round when the champion in the registry is a prompt
-policy (``docs/prompt-policies.md``, "Rounds"): one kind of change per round, so the gate always
-compares one change. The round's upstream calls (search and gate) are written to the lake's
+policy, or a hosted policy whose round schedule (``FLOWOPT_ROUND_SCHEDULE``) gives this turn to the
+prompt (``docs/training.md``, "Prompt-policy rounds"): one kind of change per round, so the gate always
+compares one change. A hosted champion's candidates are its own LoRA adapter under each candidate
+prompt, served by an in-process hosting gateway; a prompt policy's go through the proxy. The round's upstream calls (search and gate) are written to the lake's
 ``round_usage`` table under the batch, which the monthly budget counts
 (:mod:`flow_assets.training.budget`).
 """
@@ -15,6 +17,8 @@ compares one change. The round's upstream calls (search and gate) are written to
 import json
 import shutil
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
@@ -27,7 +31,8 @@ from flow_assets.core.versions import TRAINING_OWNERS, code_version
 from flow_assets.data_plane.assets import advantages
 from flow_assets.data_plane.checks import failed_data_checks
 from flow_assets.logs.schema import Trajectory
-from flow_assets.policy.prompt import PromptPolicy, PromptPolicyError, is_prompt_policy
+from flow_assets.tasks.sources import Task
+from flow_assets.policy.prompt import PromptPolicy, PromptPolicyError, hosted_version, policy_kind
 from flow_assets.training.assets import POOL, _check_job_budget, champion
 from flow_assets.training.budget import ROUND_USAGE_SCHEMA, ROUND_USAGE_TABLE
 from flow_assets.training.champion import CHAMPION, champion_materialization
@@ -37,6 +42,7 @@ from flow_assets.training.prompt_rounds import (
     Usage,
     check_token_budget,
     gate_report,
+    hosted_scores,
     landed_flows,
     proxy_scores,
     search_prompt,
@@ -44,6 +50,7 @@ from flow_assets.training.prompt_rounds import (
 )
 from resources.lake import TrajectoryLake
 from resources.live_ab import LiveAB
+from resources.policy import PolicyModel
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from resources.upstream import ReflectionEndpoint, UpstreamModel
@@ -79,21 +86,57 @@ def round_dir(registry: AdapterRegistry, key: str) -> Path:
     return Path(registry.root) / "prompt_rounds" / key
 
 
-def champion_prompt(registry: AdapterRegistry) -> tuple[str, PromptPolicy]:
-    """The champion's version and prompt policy.
+@dataclass(frozen=True)
+class ChampionPrompt:
+    """The champion a prompt round starts from.
+
+    Attributes:
+        version: its registry version.
+        prompt: its prompt policy (an empty one for an adapter served without a prompt).
+        adapter: its LoRA adapter directory when the policy is hosted (the candidates keep it and
+            differ by the prompt only); ``None`` for a prompt policy alone (served by the proxy).
+    """
+
+    version: str
+    prompt: PromptPolicy
+    adapter: str | None
+
+
+def champion_prompt(registry: AdapterRegistry) -> ChampionPrompt:
+    """The champion's version, prompt policy and (hosted) adapter.
 
     Raises:
-        PromptRoundError: no champion, or a champion that is a LoRA adapter (its batches get LoRA rounds).
+        PromptRoundError: no champion, or a prompt policy file that does not load.
     """
     champ = registry.champion()
     if champ is None:
         raise PromptRoundError("the registry has no champion")
-    if not is_prompt_policy(champ["adapter_path"]):
-        raise PromptRoundError(f"champion {champ['version']} is a LoRA adapter, not a prompt policy: its batches get LoRA rounds (training_round_job)")
+    kind = policy_kind(champ["adapter_path"])
     try:
-        return champ["version"], PromptPolicy.load(champ["adapter_path"])
+        prompt = PromptPolicy() if kind == "adapter" else PromptPolicy.load(champ["adapter_path"])
     except (OSError, PromptPolicyError) as exc:
         raise PromptRoundError(f"champion {champ['version']}: {exc}") from exc
+    return ChampionPrompt(champ["version"], prompt, None if kind == "prompt" else champ["adapter_path"])
+
+
+def _scorer(champ: ChampionPrompt, tasks: TaskSourceResource, upstream: UpstreamModel, registry: AdapterRegistry, policy: PolicyModel,
+            settings: PromptRoundSettings):  # fmt: skip
+    """``score(prompts, on, where) -> (rows, usage)``: the prompts' agents on tasks ``on``, sampled,
+    through the proxy (a prompt policy) or a hosting gateway over the champion's adapter, their
+    flows landed under ``where``."""
+    source = tasks.source()
+
+    def score(prompts: dict[str, PromptPolicy], on: Sequence[Task], where: Path):
+        common = (prompts, on, source.score, tasks.agent_fn(), tasks.agent_id, {"sampled": settings.temperature}, settings.concurrency, where)
+        if champ.adapter is not None:
+            return hosted_scores(policy.store(), champ.adapter, *common)
+        try:
+            client = upstream.upstream()
+        except ValueError as exc:
+            raise PromptRoundError(str(exc)) from exc
+        return proxy_scores(client, registry.path, *common)
+
+    return score
 
 
 def _record_usage(lake: TrajectoryLake, key: str, agent_id: str, step: str, usage: Usage) -> None:
@@ -113,14 +156,12 @@ def _usage_metadata(usage: Usage) -> dict:
             "usage_unreported_turns": usage.unreported_turns}  # fmt: skip
 
 
-def _reflect(seed: PromptPolicy, search_on, source, tasks: TaskSourceResource, upstream: UpstreamModel, registry: AdapterRegistry,
-             reflection: ReflectionEndpoint, settings, scratch: Path):
+def _reflect(seed: PromptPolicy, search_on, score, reflection: ReflectionEndpoint, settings, scratch: Path):
     """GEPA on ``seed``'s instructions over the search tasks (train minibatches and validation alike)."""
     from flow_assets.training.prompt_reflection import reflect_instructions
 
     def run(policy: PromptPolicy, batch, where: Path):
-        rows, usage = proxy_scores(upstream.upstream(), registry.path, {"gepa": policy}, batch, source.score, tasks.agent_fn(), tasks.agent_id,
-                                   {"sampled": settings.temperature}, settings.concurrency, where)  # fmt: skip
+        rows, usage = score({"gepa": policy}, batch, where)
         return rows, usage, landed_flows(where / "flows")
 
     return reflect_instructions(seed, search_on, search_on, run, reflection.client(), settings.reflection_calls, settings.reflection_minibatch,
@@ -136,10 +177,12 @@ def prompt_candidate(
     registry: AdapterRegistry,
     upstream: UpstreamModel,
     reflection: ReflectionEndpoint,
+    policy: PolicyModel,
 ) -> MaterializeResult:
     """The best prompt found from this batch's flows: candidates (the champion prompt, and the
     champion plus k demonstrations drawn from the successful flows) scored on train tasks through
-    the proxy to the upstream model (DSPy's bootstrap few-shot with random search); then, with a
+    the proxy to the upstream model, or for a hosted champion over its own LoRA adapter (DSPy's
+    bootstrap few-shot with random search); then, with a
     reflection model and reflection_calls set, the winner's instructions rewritten by GEPA from
     the failures on the same tasks."""
     key = context.partition_key
@@ -148,7 +191,8 @@ def prompt_candidate(
     _check_job_budget(context, lake)
     settings, source = config.to_pure(), tasks.source()
     try:
-        version, prompt = champion_prompt(registry)
+        champ = champion_prompt(registry)
+        version, prompt = champ.version, champ.prompt
         logs = lake.read_partition("interaction_logs", key).filter(pl.col("agent_id") == tasks.agent_id)
         flows = [Trajectory.model_validate_json(r) for r in logs["record_json"].to_list()]
         held_out_ids = [t.task_id for t in source.tasks("held_out")]
@@ -156,14 +200,13 @@ def prompt_candidate(
         work = round_dir(registry, key)
         for old in ("search", "reflection", "candidate"):  # a re-run starts afresh: its flows are read back by task
             shutil.rmtree(work / old, ignore_errors=True)
-        score = lambda prompts: proxy_scores(upstream.upstream(), registry.path, prompts, search_on, source.score, tasks.agent_fn(),  # noqa: E731
-                                             tasks.agent_id, {"sampled": settings.temperature}, settings.concurrency, work / "search")  # fmt: skip
-        found = search_prompt(prompt, flows, held_out_ids, search_on, score, settings)
+        score = _scorer(champ, tasks, upstream, registry, policy, settings)
+        found = search_prompt(prompt, flows, held_out_ids, search_on, lambda prompts: score(prompts, search_on, work / "search"), settings)
         _record_usage(lake, key, tasks.agent_id, "search", found.usage)
         check_token_budget(found.usage, settings, "search")
         best, spent, reflected = found.candidates[found.best], found.usage, None
         if settings.reflection_calls and reflection.enabled:
-            reflected = _reflect(best, search_on, source, tasks, upstream, registry, reflection, settings, work / "reflection")
+            reflected = _reflect(best, search_on, score, reflection, settings, work / "reflection")
             _record_usage(lake, key, tasks.agent_id, "reflection", reflected.usage)
             _record_usage(lake, key, tasks.agent_id, "reflection_model", Usage(*reflected.reflection_tokens, reflected.reflection_calls))
             spent = spent + reflected.usage + Usage(*reflected.reflection_tokens)
@@ -172,7 +215,8 @@ def prompt_candidate(
     except PromptRoundError as exc:
         raise Failure(str(exc)) from exc
     best_is_champion = found.best == 0 and not (reflected and reflected.improved)
-    path = best.save(work / "candidate")
+    # a hosted candidate is the champion's adapter under the new prompt: one change
+    path = best.save(work / "candidate") if champ.adapter is None else hosted_version(champ.adapter, best, work / "candidate")
     (work / "search.json").write_text(json.dumps({
         "champion": version, "best": found.best, "best_is_champion": best_is_champion, "mean_rewards": found.mean_rewards,
         "demonstrations": found.demonstrations, "search_task_ids": found.search_task_ids, "candidate_path": str(path),
@@ -205,16 +249,18 @@ def prompt_evaluation(
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
     upstream: UpstreamModel,
+    policy: PolicyModel,
 ) -> MaterializeResult:
     """Champion prompt vs candidate prompt on the same held-out tasks, sampled, through the proxy
-    to the upstream; the blocking check prompt_gate (gain, McNemar p) decides whether promotion
+    to the upstream (or over the champion's own LoRA adapter, for a hosted champion); the blocking check prompt_gate (gain, McNemar p) decides whether promotion
     may run. A search whose best candidate was the champion itself spends nothing here."""
     key = context.partition_key
     settings, source, work = config.to_pure(), tasks.source(), round_dir(registry, key)
     search = json.loads((work / "search.json").read_text())
     usage = Usage()
     try:
-        version, prompt = champion_prompt(registry)
+        champ = champion_prompt(registry)
+        version, prompt = champ.version, champ.prompt
         if version != search["champion"]:
             raise PromptRoundError(f"the champion is {version} now, the candidate was searched from {search['champion']}: run the round again")
         candidate = PromptPolicy.load(search["candidate_path"])
@@ -224,8 +270,8 @@ def prompt_evaluation(
         else:
             held_out = source.tasks("held_out")[: settings.heldout_tasks]
             shutil.rmtree(work / "gate", ignore_errors=True)
-            rows, usage = proxy_scores(upstream.upstream(), registry.path, {"champion": prompt, "candidate": candidate}, held_out, source.score,
-                                       tasks.agent_fn(), tasks.agent_id, {"sampled": settings.temperature}, settings.concurrency, work / "gate")  # fmt: skip
+            score = _scorer(champ, tasks, upstream, registry, policy, settings)
+            rows, usage = score({"champion": prompt, "candidate": candidate}, held_out, work / "gate")
             _record_usage(lake, key, tasks.agent_id, "gate", usage)
             lake.write_partition("prompt_evaluations", key, rows)
             report = gate_report(rows, settings.alpha, candidate_is_champion=False)
@@ -255,7 +301,8 @@ def prompt_evaluation(
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"json"}, deps=[prompt_evaluation], pool=POOL, owners=TRAINING_OWNERS, code_version=_CODE)
 def promoted_prompt(context: AssetExecutionContext, registry: AdapterRegistry, live_ab: LiveAB) -> MaterializeResult:
     """The candidate prompt becomes the champion (a new registry version, its prompt saved under
-    prompts/<version> of the models directory), or with live A/B on the challenger, which
+    prompts/<version> of the models directory; a hosted one, the champion's adapter under the new
+    prompt, under adapters/<version>), or with live A/B on the challenger, which
     ab_test_report and ab_monitor_sensor decide on live traffic as for adapters. Refuses a
     candidate searched from a champion that has since changed."""
     key = context.partition_key
@@ -266,7 +313,13 @@ def promoted_prompt(context: AssetExecutionContext, registry: AdapterRegistry, l
     if champ is None or champ["version"] != report["champion_version"]:
         raise Failure(f"the champion changed since the gate ({report['champion_version']} -> {champ and champ['version']}): not promoted")
     version = registry.next_version()
-    path = str(PromptPolicy.load(report["candidate_path"]).save(Path(registry.root) / "prompts" / version))
+    candidate = Path(report["candidate_path"])
+    if policy_kind(candidate) == "prompt":
+        path = str(PromptPolicy.load(candidate).save(Path(registry.root) / "prompts" / version))
+    else:
+        target = Path(registry.root) / "adapters" / version
+        shutil.rmtree(target, ignore_errors=True)
+        path = str(shutil.copytree(candidate, target))
     metrics = {"heldout": {k: report[k] for k in ("champion", "candidate", "gain", "mcnemar_p", "n_tasks")}, "content_hash": report["content_hash"], "batch": key}
     reason = f"prompt round on batch {key}: {report['reason']}"
     by = f"dagster run {context.run_id} (partition {key})"

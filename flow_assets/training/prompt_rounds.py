@@ -1,7 +1,7 @@
 """Prompt-policy rounds (#30): a better prompt for an agent whose model flowopt cannot train,
 learned from the agent's own flows and gated like an adapter round.
 
-A round on one log batch (``docs/prompt-policies.md``):
+A round on one log batch (``docs/training.md``, "Prompt-policy rounds"):
 
 1. **Demonstrations**: the batch's successful flows of the agent (text; proxy captures carry no
    token ids), one per task, never a held-out task (:func:`~flow_assets.policy.prompt_search.demonstration_pool`).
@@ -13,7 +13,10 @@ A round on one log batch (``docs/prompt-policies.md``):
    The winner passes only when it is not the champion itself, gains, and p < ``alpha``.
 
 Every call of steps 2 and 3 goes through an in-process proxy to the upstream model
-(:class:`~flow_assets.serving.gateway.upstream.Upstream`) and lands in the round's own scratch
+(:class:`~flow_assets.serving.gateway.upstream.Upstream`, :func:`proxy_scores`), or, for a hosted
+policy (a LoRA adapter whose round schedule gave this turn to its prompt), through an in-process
+hosting gateway serving the champion's adapter under each prompt (:func:`hosted_scores`: the
+candidates differ from the champion by the prompt only), and lands in the round's own scratch
 directory, never in the landing the sensors read (held-out flows must never train); what they cost
 is summed from those flows' usage (:func:`landed_usage`), checked against the round's token budget
 after each step, and recorded for the monthly budget (:mod:`flow_assets.training.budget`).
@@ -33,12 +36,14 @@ from pathlib import Path
 import polars as pl
 
 from flow_assets.logs.schema import Trajectory
-from flow_assets.policy.prompt import PromptPolicy
+from flow_assets.policy.prompt import PromptPolicy, hosted_version
+from flow_assets.policy.store import PolicyStore
 from flow_assets.policy.prompt_search import Demonstration, best_candidate, demonstration_pool, fewshot_candidates
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
 from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, run_rollouts
 from flow_assets.serving.gateway.app import Gateway
 from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver
+from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.serving.gateway.server import GatewayServer
 from flow_assets.serving.gateway.upstream import Upstream
 from flow_assets.tasks.sources import Task
@@ -161,19 +166,48 @@ def proxy_scores(upstream: Upstream, registry_path: Path, prompts: dict[str, Pro
     landing = scratch / "flows"
     before = landed_usage(landing)
     gateway = Gateway(None, AdapterResolver(registry_path, refs), landing, upstream=upstream)
-    runs = [(name, mode, t) for name in refs for mode, t in temperatures.items()]
+    with GatewayServer(gateway) as server:
+        rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
+    return rows, _minus(landed_usage(landing), before)
 
-    async def everything(url: str):
+
+def hosted_scores(store: PolicyStore, adapter_dir: str | Path, prompts: dict[str, PromptPolicy], tasks: Sequence[Task], score, agent: AgentFn,
+                  agent_id: str, temperatures: dict[str, float], concurrency: int, scratch: Path) -> tuple[pl.DataFrame, Usage]:  # fmt: skip
+    """:func:`proxy_scores` for a hosted policy: every prompt served over the LoRA adapter of
+    ``adapter_dir`` (its files copied under ``scratch/prompts/<key>`` with the prompt, by
+    :func:`~flow_assets.policy.prompt.hosted_version`) by one in-process hosting gateway on
+    ``store``'s base model; the flows land under ``scratch/flows`` only, with their token ids.
+
+    Returns:
+        As :func:`proxy_scores`; the :class:`Usage` counts the hosted policy's own tokens.
+
+    Raises:
+        FileNotFoundError: ``adapter_dir`` is not a LoRA adapter directory.
+        OSError: the base model cannot be loaded.
+    """
+    refs = {name: AdapterRef(name, str(hosted_version(adapter_dir, p, scratch / "prompts" / name))) for name, p in prompts.items()}
+    landing = scratch / "flows"
+    before = landed_usage(landing)
+    with serve_policy(store, landing, extra=refs) as server:
+        rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
+    return rows, _minus(landed_usage(landing), before)
+
+
+def _scores(url: str, names: list[str], tasks: Sequence[Task], score, agent: AgentFn, agent_id: str, temperatures: dict[str, float],
+            concurrency: int, batch: str) -> pl.DataFrame:  # fmt: skip
+    """Every named policy's agents on ``tasks`` in every mode, all at once, through the gateway at ``url``."""
+    runs = [(name, mode, t) for name in names for mode, t in temperatures.items()]
+
+    async def everything():
         return await asyncio.gather(*(
-            run_rollouts(url, agent, tasks, score, 1, agent_id=agent_id, batch=f"{scratch.name}-{name}-{mode}", source="round",
+            run_rollouts(url, agent, tasks, score, 1, agent_id=agent_id, batch=f"{batch}-{name}-{mode}", source="round",
                          config=HarnessConfig(concurrency, 3600.0, name, t, None))
             for name, mode, t in runs
         ))  # fmt: skip
 
-    with GatewayServer(gateway) as server:
-        results = asyncio.run(everything(server.url))
+    results = asyncio.run(everything())
     rows = [row for (name, mode, _), res in zip(runs, results) for row in evaluation_rows(res, name, mode)]
-    return pl.DataFrame(rows, schema=EVAL_SCHEMA), _minus(landed_usage(landing), before)
+    return pl.DataFrame(rows, schema=EVAL_SCHEMA)
 
 
 def _minus(a: Usage, b: Usage) -> Usage:

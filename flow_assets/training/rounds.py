@@ -40,6 +40,7 @@ from flow_assets.policy.chat import conversation_rows
 from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
 from flow_assets.policy.rollouts import TextSamples, batch_id_for, text_training_samples, training_samples
 from flow_assets.policy.store import PolicyStore
+from flow_assets.policy.prompt import PROMPT_POLICY_FILE, carry_prompt
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies, summarise_policy
 from flow_assets.rl.gate import GateConfig, GateResult, check_finite_loss, check_gain, check_kl
 from flow_assets.tasks.sources import Task, TaskSource, is_held_out, task_tools
@@ -472,6 +473,10 @@ def train_candidate(
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
     candidate = save_lora_adapter(model, run_dir / "adapter")
+    # trained under the champion's prompt policy (its captured ids hold it): served under it too,
+    # so the gate compares the weights alone (docs/training.md, "Both at once")
+    (candidate / PROMPT_POLICY_FILE).unlink(missing_ok=True)
+    carry_prompt(champion["adapter_path"], candidate)
     registry.set_candidate(str(candidate), batch, champion["version"])
     advantages = tables["advantages"]
     groups = advantages.group_by("group_key").agg(pl.col("zero_variance").first())

@@ -91,7 +91,7 @@ from flow_assets.logs.schema import Outcome
 from flow_assets.policy.chat import render_prompt
 from flow_assets.policy.configs import SERVE_MAX_TOKENS
 from flow_assets.policy.constrained import Constraint, ConstraintCompiler, ConstraintError
-from flow_assets.policy.prompt import PROMPT_POLICY_FILE, PromptPolicy, PromptPolicyError, is_prompt_policy
+from flow_assets.policy.prompt import PROMPT_POLICY_FILE, PromptPolicy, PromptPolicyError, policy_kind
 from flow_assets.policy.tool_calls import parse_tool_calls
 
 log = logging.getLogger("flowopt.gateway")
@@ -186,21 +186,31 @@ class Gateway:
         self._prompts_lock = threading.Lock()
 
     def prompt_policy(self, ref: AdapterRef) -> PromptPolicy | None:
-        """Proxy mode: the prompt policy a resolved name serves (``None``: a name the registry
-        does not know, forwarded as it is). Loaded once per directory (registered versions do
-        not change).
+        """The prompt policy a resolved name is served under (:mod:`flow_assets.policy.prompt`),
+        loaded once per directory (registered versions do not change).
+
+        Proxy mode: a version that is a prompt policy alone; ``None`` for a name the registry does
+        not know (forwarded as it is). Hosting: the prompt policy of a version whose directory
+        holds an adapter and ``prompt_policy.json``; ``None`` for an adapter alone (or the base).
 
         Raises:
-            PromptPolicyError: the version is not a prompt policy (a LoRA adapter cannot be applied
-                to an upstream model), or its file is invalid.
+            PromptPolicyError: proxy mode and a version holding a LoRA adapter (it needs a gateway
+                that hosts the model); hosting and a prompt policy without an adapter (it needs an
+                upstream model: ``flowopt serve --upstream``); or a policy file that is invalid.
         """
         if not ref.path:
             return None
+        kind = policy_kind(ref.path)
+        if self.upstream is not None and kind != "prompt":
+            raise PromptPolicyError(f"{ref.version} is not a prompt policy alone (no {PROMPT_POLICY_FILE} in its directory, or a LoRA "
+                                    "adapter beside it); a LoRA adapter needs a gateway that hosts the model")  # fmt: skip
+        if self.upstream is None and kind != "adapter+prompt":
+            if kind == "prompt":
+                raise PromptPolicyError(f"{ref.version} is a prompt policy without a LoRA adapter: serve it in front of its model "
+                                        "with `flowopt serve --upstream URL`")  # fmt: skip
+            return None
         with self._prompts_lock:
             if ref.path not in self._prompts:
-                if not is_prompt_policy(ref.path):
-                    raise PromptPolicyError(f"{ref.version} is not a prompt policy (no {PROMPT_POLICY_FILE} in its directory); "
-                                            "a LoRA adapter needs a gateway that hosts the model")  # fmt: skip
                 self._prompts[ref.path] = PromptPolicy.load(ref.path)
             return self._prompts[ref.path]
 
@@ -275,6 +285,14 @@ class _Call:
     constraint: Constraint | None = None
     upstream_model: str | None = None  # proxy mode: the model that answered (text-only turn)
     usage: dict[str, int] | None = None  # proxy mode: the upstream's token counts
+    # the messages and tools the model is shown: the agent's under the version's prompt policy
+    # (None: the agent's own); the turn records the agent's, the ids what the model saw
+    sent_messages: list[dict[str, Any]] | None = None
+    sent_tools: list[dict[str, Any]] | None = None
+
+    def rendered(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools the policy's chat template renders for this call."""
+        return (self.messages, self.tools) if self.sent_messages is None else (self.sent_messages, self.sent_tools)
 
 
 #: the response header naming the registry version that served (or refused) a call
@@ -559,8 +577,14 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         top_p = 1.0 if top_p is None else top_p
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            prompt = gateway.prompt_policy(ref)
+        except (OSError, PromptPolicyError) as exc:
+            return _versioned(_error(400, f"model {name!r} resolves to {ref.version}, which this gateway cannot serve: {exc}", param="model"),
+                              ref.version)  # fmt: skip
+        shown = prompt.apply(messages, tools) if prompt else (messages, tools)
         context = gateway.engine.max_positions
-        if context is not None and (chars := _whitespace_free_chars(messages, tools)) > 4 * gateway.max_token_chars * context:
+        if context is not None and (chars := _whitespace_free_chars(*shown)) > 4 * gateway.max_token_chars * context:
             # refused before tokenising (seconds of CPU for megabytes of text): more characters than
             # the context can hold even at the longest token, with a 4x margin for normalisers
             return _versioned(_error(
@@ -570,7 +594,8 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
                 param="messages",
                 code="context_length_exceeded",
             ), ref.version)  # fmt: skip
-        return _Call(req, rollout_id, started, name, ref, temperature, top_p, messages, tools, chars if context is not None else None)
+        return _Call(req, rollout_id, started, name, ref, temperature, top_p, messages, tools, chars if context is not None else None,
+                     sent_messages=shown[0] if prompt else None, sent_tools=shown[1] if prompt else None)  # fmt: skip
 
     async def _render(call: _Call):
         """Render and tokenise the call's prompt and build its sampling work (or an error response)."""
@@ -578,10 +603,10 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         if req.forces_call or req.formats:
             try:
                 # compiling a grammar (and, once, reading the tokenizer) takes milliseconds to a second
-                call.constraint = await asyncio.to_thread(gateway.constraint, req, call.tools)
+                call.constraint = await asyncio.to_thread(gateway.constraint, req, call.rendered()[1])
             except ConstraintError as exc:
                 return _error(400, str(exc), param=exc.param)
-        render = functools.partial(render_prompt, tokenizer, call.messages, call.tools, fmt=gateway.engine.chat)
+        render = functools.partial(render_prompt, tokenizer, *call.rendered(), fmt=gateway.engine.chat)
         try:
             # A large prompt renders off the event loop, so it cannot stall other clients. An ordinary
             # one renders in it: a thread hop per call spread concurrent agents' calls past the
