@@ -182,6 +182,10 @@ class Settings:
             comma-separated ``adapter`` / ``prompt``]; ``adapter`` (the default): LoRA rounds
             only; ``prompt,adapter``: optimise the prompt, then train the adapter under it. A
             prompt policy alone always gets prompt rounds.
+        training_workers: data-parallel Ray Train workers a LoRA round's update runs on
+            [FLOWOPT_TRAINING_WORKERS]; 0 (the default): in the run's own process.
+        ray_address: the Ray cluster those workers run on [FLOWOPT_RAY_ADDRESS]; empty: a local
+            cluster started by the run.
         tracking: experiment tracking target, ``""`` = off [FLOWOPT_TRACKING].
         live_ab: whether a gated candidate enters live A/B as challenger [FLOWOPT_LIVE_AB].
         live_ab_share: the challenger's share of sessions, in (0, 1) [FLOWOPT_LIVE_AB_SHARE].
@@ -227,6 +231,8 @@ class Settings:
     run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
     training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)
     round_schedule: tuple[str, ...] = _var("FLOWOPT_ROUND_SCHEDULE", ("adapter",), _schedule)
+    training_workers: int = _var("FLOWOPT_TRAINING_WORKERS", 0, _count(0))
+    ray_address: str = _var("FLOWOPT_RAY_ADDRESS", "")
     tracking: str = _var("FLOWOPT_TRACKING", "")
     live_ab: bool = _var("FLOWOPT_LIVE_AB", False, _flag)
     live_ab_share: float = _var("FLOWOPT_LIVE_AB_SHARE", 0.1, _number(0.0, 1.0, open_low=True))

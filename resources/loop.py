@@ -35,6 +35,9 @@ class TrainingLoop(ConfigurableResource):
             :func:`flow_assets.training.run_config.round_settings` and rebuilt by
             :func:`~flow_assets.training.run_config.round_run_config`, so a wrong or renamed field is
             refused when the file is read, naming the file.
+        training_workers: 0 (default): a LoRA round's update runs in the run's own process; N:
+            data-parallel on N Ray Train workers (:mod:`flow_assets.cluster.ray_training`).
+        ray_address: the Ray cluster they run on; empty: a local one started by the run.
         round_schedule: the kinds of round a hosted policy cycles through
             (:func:`flow_assets.policy.prompt.next_round_kind`); ``["adapter"]`` by default.
     """
@@ -46,6 +49,8 @@ class TrainingLoop(ConfigurableResource):
         "for agents besides the task source's own, whose batches then train the policy too",
     )
     run_config_path: str | None = Field(None, description="JSON file {job name: run config} the sensors launch runs with")
+    training_workers: int = Field(0, ge=0, description="data-parallel Ray Train workers of a LoRA round's update (0: in the run's process)")
+    ray_address: str = Field("", description="the Ray cluster of those workers (empty: a local one the run starts)")
     round_schedule: list[str] = Field(
         default_factory=lambda: ["adapter"],
         description="the kinds of round (adapter / prompt) a hosted policy cycles through, one change per round; "

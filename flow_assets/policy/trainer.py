@@ -20,6 +20,18 @@ batch): ``w = tokens(mb) / tokens(minibatch)`` for the token-level ``dapo`` / ``
 ``w = rows(mb) / rows(minibatch)`` for the per-sequence ``grpo`` and for ``dr_grpo`` (whose
 length denominator is then the minibatch's longest completion, fixed for all its micro-batches).
 
+**Data parallel** (:class:`DataParallel`, e.g. workers launched by Ray Train,
+:mod:`flow_assets.cluster.ray_training`): every worker holds the whole sample list and the same
+adapter and optimizer, computes the same minibatch, and takes the micro-batches ``k`` with
+``k mod world_size == rank`` (``micro_batch_size`` rows each; unset, ``ceil(minibatch /
+world_size)``), each with its weight ``w`` relative to the *whole* minibatch as above. Summing the
+workers' accumulated gradients (all-reduce, SUM) therefore gives the one-process gradient exactly
+in real arithmetic; in floating point only the order of the additions differs (one worker adds
+``g0 + g1 + g2 + g3``, two add ``(g0 + g2) + (g1 + g3)``), a relative difference of about 1e-7
+in float32. Gradient clipping and the AdamW step then run on identical gradients on every worker,
+so the replicas stay equal without broadcasting weights (as DDP does). Only rank 0 writes
+checkpoints; every rank resumes from them.
+
 Samples whose advantage is exactly 0 (zero-variance groups) would contribute no gradient
 (every per-token term is ``ratio * 0``); they are dropped up front and counted, and so are samples
 with an empty completion (no token to score).
@@ -141,6 +153,8 @@ class GRPORoundTrainer:
         config: round settings.
         ref_model: frozen reference for the KL term when ``config.loss.beta > 0``; if ``None`` the
             reference is ``model`` with its adapter disabled (the base model).
+        data_parallel: this process's rank in a data-parallel round (module docstring); ``None``:
+            one process.
 
     Construction seeds the global torch / numpy / python RNGs with ``config.seed`` (as the
     Hugging Face ``Trainer`` does), so that anything stochastic in the forward pass is reproducible
@@ -159,11 +173,13 @@ class GRPORoundTrainer:
         samples: list[TrainingSample],
         config: GRPOTrainerConfig | None = None,
         ref_model: PreTrainedModel | None = None,
+        data_parallel: DataParallel | None = None,
     ):
         if not isinstance(model, PeftModel):
             raise TypeError("the GRPO trainer trains a PEFT adapter; wrap the model with add_lora_adapter")
         self.model = model
         self.config = config or GRPOTrainerConfig()
+        self.data_parallel = data_parallel
         if self.config.gradient_checkpointing:
             # non-reentrant: the frozen base's inputs need no requires_grad for LoRA's grads to flow
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -251,13 +267,14 @@ class GRPORoundTrainer:
             self.step = metrics.step
             self.history.append(metrics)
             saved = self.step % self.config.save_steps == 0 or self.step == self.total_steps
-            if saved:
+            if saved and self.writes_checkpoints:
                 self.save_checkpoint()
             if on_step is not None:
                 try:
                     on_step(metrics)
                 except TrainingPaused as pause:
-                    pause.step, pause.checkpoint = self.step, str(self.latest_checkpoint if saved else self.save_checkpoint())
+                    pause.step = self.step
+                    pause.checkpoint = str(self.latest_checkpoint if saved or not self.writes_checkpoints else self.save_checkpoint())
                     raise
         self.model.eval()
         return RoundResult(
@@ -271,6 +288,11 @@ class GRPORoundTrainer:
             seconds=time.perf_counter() - start,
         )
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes the round's checkpoints (rank 0, or no data parallelism)."""
+        return self.data_parallel is None or self.data_parallel.rank == 0
+
     def _train_step(self, step: int) -> StepMetrics:
         batch = [self.samples[i] for i in self.minibatch(step)]
         total_tokens = sum(s.num_loss_tokens for s in batch)
@@ -278,12 +300,14 @@ class GRPORoundTrainer:
         loss_config = self.config.loss
         if loss_config.loss_type == "dr_grpo" and loss_config.max_completion_length is None:
             loss_config = dataclasses.replace(loss_config, max_completion_length=longest)
-        size = self.config.micro_batch_size or len(batch)
+        dp = self.data_parallel
+        size = self.config.micro_batch_size or (len(batch) if dp is None else math.ceil(len(batch) / dp.world_size))
+        starts = range(0, len(batch), size)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         weighted = {"clip_fraction": 0.0, "clip_low_fraction": 0.0, "clip_high_fraction": 0.0, "mean_ratio": 0.0, "kl": 0.0, "mean_weight": 0.0}
-        for start in range(0, len(batch), size):
+        for start in starts if dp is None else starts[dp.rank :: dp.world_size]:
             micro = batch[start : start + size]
             prompts = [s.prompt_ids for s in micro]
             completions = [s.completion_ids for s in micro]
@@ -311,6 +335,14 @@ class GRPORoundTrainer:
             loss += float(out.loss.detach()) * weight
             for name, value in values.items():
                 weighted[name] += value * tokens / total_tokens
+        if dp is not None:  # every worker's share of the minibatch's gradient and metrics, summed
+            for p in self.params:
+                if p.grad is None:  # a worker without a micro-batch this step adds zeros
+                    p.grad = torch.zeros_like(p)
+                dp.all_reduce(p.grad)
+            totals = torch.tensor([loss, *weighted.values()], dtype=torch.float64)
+            dp.all_reduce(totals)
+            loss, weighted = float(totals[0]), dict(zip(weighted, totals[1:].tolist()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         return StepMetrics(step=step, loss=loss, grad_norm=float(grad_norm), **weighted, num_tokens=total_tokens, num_samples=len(batch))
@@ -413,7 +445,7 @@ class GRPORoundTrainer:
             CheckpointMismatch: the checkpoint belongs to a different round (other config or
                 samples); nothing was restored.
         """
-        if self.output_dir.is_dir():
+        if self.output_dir.is_dir() and self.writes_checkpoints:
             for p in self.output_dir.glob(".tmp-checkpoint-*"):
                 shutil.rmtree(p, ignore_errors=True)
         checkpoints = self._complete_checkpoints()
@@ -462,6 +494,27 @@ def _with_loss_masks(mask: torch.Tensor, batch: list[TrainingSample]) -> torch.T
     return mask
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel round (module docstring, "Data parallel").
+
+    Attributes:
+        rank: this worker, ``0 <= rank < world_size``; rank 0 writes the checkpoints.
+        world_size: workers in the round.
+        all_reduce: sums a tensor over the workers in place (e.g. ``torch.distributed.all_reduce``
+            with ``ReduceOp.SUM`` over a gloo or NCCL process group); every worker calls it on the
+            same tensors in the same order.
+    """
+
+    rank: int
+    world_size: int
+    all_reduce: Callable[[torch.Tensor], None]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+
+
 class CheckpointMismatch(ValueError):
     """The latest checkpoint in ``output_dir`` was written by another round (other settings or
     samples), so it cannot be resumed; raised before anything is restored."""
@@ -484,15 +537,17 @@ def train_grpo_round(
     ref_model: PreTrainedModel | None = None,
     resume: bool = False,
     on_step: Callable[[StepMetrics], None] | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> RoundResult:
     """Run one GRPO training round (see module docstring); with ``resume=True`` continue the latest
-    complete checkpoint in ``config.output_dir`` if there is one.
+    complete checkpoint in ``config.output_dir`` if there is one. With ``data_parallel``, this
+    process is one worker of a data-parallel round (module docstring).
 
     Raises:
         TypeError / ValueError: see :class:`GRPORoundTrainer` and
             :meth:`GRPORoundTrainer.resume_from_latest`.
     """
-    trainer = GRPORoundTrainer(model, samples, config, ref_model)
+    trainer = GRPORoundTrainer(model, samples, config, ref_model, data_parallel)
     if resume:
         trainer.resume_from_latest()
     return trainer.train(on_step=on_step)

@@ -228,7 +228,7 @@ def policy_checkpoint(
     try:
         summary, steps = train_candidate(
             policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples, log_step,
-            sources=loop.update_rules(tasks.agent_id),
+            sources=loop.update_rules(tasks.agent_id), workers=loop.training_workers, ray_address=loop.ray_address or None,
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc

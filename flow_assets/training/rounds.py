@@ -16,6 +16,7 @@ the demo, the benchmarks and the tests all pass the same typed objects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -396,6 +397,8 @@ def train_candidate(
     on_step: Callable[[StepMetrics], None] | None = None,
     sources: Mapping[str, str] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    workers: int = 0,
+    ray_address: str | None = None,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -416,7 +419,12 @@ def train_candidate(
         config: the trainer's settings (``output_dir`` is set to the round's checkpoints).
         negate_advantages: train against the advantages (to test that the gate blocks it).
         kl_samples: rows the gate's KL to the behaviour policy is estimated on (``None``: all).
-        on_step: called with each optimizer step's metrics as it finishes (a run's log).
+        on_step: called with each optimizer step's metrics as it finishes (a run's log); with
+            ``workers``, once per step after the data-parallel update ends.
+        workers: 0 (the default): the update runs in this process; N >= 1: data-parallel over N
+            Ray Train workers (:mod:`flow_assets.cluster.ray_training`, the ``ray`` extra) on the
+            cluster at ``ray_address`` (``None``: the one this process is connected to, else a
+            local one), with the same checkpoints and resume.
 
     Returns:
         The summary (also written) and the per-step metrics.
@@ -467,11 +475,14 @@ def train_candidate(
     if not parent_file.exists() or parent_file.read_text() != champion["version"]:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     parent_file.write_text(champion["version"])
-    try:
-        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
-    except CheckpointMismatch:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+    if workers:
+        result = _train_on_ray(store, champion["adapter_path"], model, samples, config, workers, ray_address, run_dir, on_step)
+    else:
+        try:
+            result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
+        except CheckpointMismatch:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
     candidate = save_lora_adapter(model, run_dir / "adapter")
     # trained under the champion's prompt policy (its captured ids hold it): served under it too,
     # so the gate compares the weights alone (docs/training.md, "Both at once")
@@ -510,6 +521,32 @@ def train_candidate(
     )
     write_round_summary(summary, run_dir)
     return summary, result.steps
+
+
+def _train_on_ray(store: PolicyStore, adapter: str, model, samples: list[TrainingSample], config: GRPOTrainerConfig, workers: int,
+                  ray_address: str | None, run_dir: Path, on_step) -> Any:  # fmt: skip
+    """The update of :func:`train_candidate` on ``workers`` Ray Train workers, driven from a
+    process of its own (:func:`~flow_assets.cluster.ray_training.run_driver`); ``model`` (this
+    process's copy) gets the trained weights. Checkpoints of another round are removed here,
+    before the workers start, as the in-process path does."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from flow_assets.cluster.ray_training import run_driver
+    from flow_assets.policy.trainer import CheckpointMismatch, GRPORoundTrainer, TrainingPaused
+
+    try:
+        GRPORoundTrainer(model, samples, config).resume_from_latest()
+    except CheckpointMismatch:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    result, trained = run_driver(store, adapter, samples, config, workers, run_dir / "data_parallel", address=ray_address)
+    set_peft_model_state_dict(model, load_file(str(trained / "adapter_model.safetensors")))
+    for metrics in result.steps if on_step else ():
+        if result.resumed_from is None or metrics.step > result.resumed_from:
+            # the steps are reported once the update is over: a pause asked meanwhile has nothing left to pause
+            with contextlib.suppress(TrainingPaused):
+                on_step(metrics)
+    return result
 
 
 # -- evaluation ------------------------------------------------------------------------------------
