@@ -528,6 +528,18 @@ def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowopt`` console script; returns the process exit code."""
     _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:  # once, after the arguments (so --help works whatever the environment holds)
+        settings = Settings.load()
+    except ValueError as exc:
+        print(f"flowopt {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return args.fn(args, settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flowopt`` command line: every sub-command and its options (e.g. to check a
+    deployment's commands without running them)."""
     parser = argparse.ArgumentParser(prog="flowopt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -743,13 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd.set_defaults(fn=_proposals)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
-    args = parser.parse_args(argv)
-    try:  # once, after the arguments (so --help works whatever the environment holds)
-        settings = Settings.load()
-    except ValueError as exc:
-        print(f"flowopt {args.command}: {exc}", file=sys.stderr)
-        return 2
-    return args.fn(args, settings)
+    return parser
 
 
 if __name__ == "__main__":
