@@ -26,7 +26,10 @@ The output directory must be one every worker can reach (one machine, or a share
 variables of the process that calls it (``RAY_AUTH_MODE``, ``RAY_USAGE_STATS_ENABLED``,
 ``PYTHONBREAKPOINT`` with Ray 2.60), and a Dagster run has threads that may read ``os.environ``
 at any moment, so a run never connects to Ray itself: it writes the round's inputs to a file,
-starts ``python -m flow_assets.cluster.ray_training <spec>``, and reads the result back.
+starts ``python -m flow_assets.cluster.ray_training <spec>``, and reads the result back. A
+Dagster asset starts it through Dagster Pipes (``PipesSubprocessClient``): rank 0 appends each
+step's metrics to ``<out_dir>/progress.jsonl`` (shared storage, as the checkpoints), and the
+driver forwards every line to the run as it comes, as a Pipes log line and a custom message.
 
 No Dagster here; the Ray import happens inside the call (the ``ray`` extra).
 """
@@ -37,6 +40,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +49,8 @@ from flow_assets.policy.store import PolicyStore
 
 #: what rank 0 writes next to the adapter: the round's :class:`~flow_assets.policy.trainer.RoundResult` as JSON
 RESULT_FILE = "round_result.json"
+#: rank 0's step metrics, one JSON object a line, appended as each step ends (the driver forwards them)
+PROGRESS_FILE = "progress.jsonl"
 
 
 def _worker(config: dict) -> None:
@@ -59,8 +65,15 @@ def _worker(config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     model, _ = config["store"].load(config["adapter"], trainable=True)
     parallel = DataParallel(rank, world, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM))
-    on_step = config["on_step"]
-    hook = None if on_step is None else (lambda metrics: on_step(rank, metrics))
+    on_step, progress = config["on_step"], Path(config["out_dir"]) / PROGRESS_FILE
+
+    def hook(metrics) -> None:
+        if rank == 0:
+            with progress.open("a") as f:
+                f.write(json.dumps(dataclasses.asdict(metrics)) + "\n")
+        if on_step is not None:
+            on_step(rank, metrics)
+
     result = train_grpo_round(model, config["samples"], config["trainer"], resume=True, on_step=hook, data_parallel=parallel)
     if rank == 0:
         out = Path(config["out_dir"])
@@ -155,42 +168,105 @@ SPEC_FILE = "ray_round_spec.pkl"
 
 def run_driver(store: PolicyStore, adapter_path: str, samples: list[TrainingSample], config: GRPOTrainerConfig, workers: int,
                out_dir: str | Path, address: str | None = None, max_failures: int = 1,
-               on_step: Callable[[int, object], None] | None = None, timeout_s: float | None = None):  # fmt: skip
+               on_step: Callable[[int, object], None] | None = None, launch: Callable[[list[str]], None] | None = None):  # fmt: skip
     """:func:`train_data_parallel` in a driver process of its own (module docstring), connected
     to the Ray cluster at ``address`` (``None``: a local cluster it starts and stops).
+
+    Args:
+        launch: runs the driver's command line and returns when it ended, raising if it failed;
+            default: a plain subprocess (:func:`run_subprocess`); a Dagster asset passes one that
+            runs it with Dagster Pipes and ``--pipes`` added (the driver then reports each step).
 
     Returns:
         As :func:`train_data_parallel`.
 
     Raises:
-        RuntimeError: the driver failed; the message holds the end of its output (the workers'
-            error included).
-        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds (it is killed).
+        RuntimeError: the driver failed (from the default ``launch``: with the end of its output,
+            the workers' error included), or it ended without a result.
     """
     from ray import cloudpickle
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_FILE).unlink(missing_ok=True)
+    for stale in (RESULT_FILE, PROGRESS_FILE):
+        (out / stale).unlink(missing_ok=True)
     spec = out / SPEC_FILE
     spec.write_bytes(cloudpickle.dumps({"store": store, "adapter_path": str(adapter_path), "samples": samples, "config": config,
                                         "workers": workers, "out_dir": str(out), "address": address, "max_failures": max_failures,
                                         "on_step": on_step}))  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "flow_assets.cluster.ray_training", str(spec)], capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0 or not (out / RESULT_FILE).exists():
-        raise RuntimeError(f"the Ray round's driver failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    (launch or run_subprocess)([sys.executable, "-m", "flow_assets.cluster.ray_training", str(spec)])
+    if not (out / RESULT_FILE).exists():
+        raise RuntimeError(f"the Ray round's driver ended without writing {out / RESULT_FILE}")
     return _result(out)
 
 
-def _main(spec_path: str) -> None:
-    """The driver process: read the spec, connect, train (rank 0 writes the result)."""
+def run_subprocess(command: list[str]) -> None:
+    """Run ``command`` to its end (output captured).
+
+    Raises:
+        RuntimeError: a non-zero exit; the message holds the end of its output.
+    """
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Ray round's driver failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+
+
+class _Forwarder(threading.Thread):
+    """The driver's thread that reads rank 0's progress lines as they are appended and hands each
+    one (a dict) to ``emit``; :meth:`finish` reads what is left and stops."""
+
+    def __init__(self, path: Path, emit: Callable[[dict], None], poll_s: float = 0.2):
+        super().__init__(daemon=True, name="flowopt-ray-progress")
+        self.path, self.emit, self.poll_s = path, emit, poll_s
+        self.done, self.offset = threading.Event(), 0
+
+    def _read(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as f:
+            f.seek(self.offset)
+            while (line := f.readline()).endswith("\n"):
+                self.offset = f.tell()
+                self.emit(json.loads(line))
+
+    def run(self) -> None:
+        while not self.done.wait(self.poll_s):
+            self._read()
+
+    def finish(self) -> None:
+        self.done.set()
+        self.join()
+        self._read()
+
+
+def _main(spec_path: str, pipes: bool) -> None:
+    """The driver process: read the spec, connect, train (rank 0 writes the result); with
+    ``pipes`` (``--pipes``: started by Dagster Pipes), each step's metrics go to the run as rank 0
+    reports them."""
+    from dagster_pipes import open_dagster_pipes
     from ray import cloudpickle
 
     spec = cloudpickle.loads(Path(spec_path).read_bytes())
     connect(spec.pop("address"))
-    train_data_parallel(spec.pop("store"), spec.pop("adapter_path"), spec.pop("samples"), spec.pop("config"), spec.pop("workers"),
-                        spec.pop("out_dir"), **spec)  # fmt: skip
+    args = [spec.pop(k) for k in ("store", "adapter_path", "samples", "config", "workers", "out_dir")]
+    if not pipes:
+        train_data_parallel(*args, **spec)
+        return
+    with open_dagster_pipes() as pipes:
+        total = args[3].max_steps
+
+        def emit(m: dict) -> None:
+            pipes.log.info(f"ray rank 0: step {m['step']}{f'/{total}' if total else ''}: loss {m['loss']:.4f}, "
+                           f"grad norm {m['grad_norm']:.3f}, clip fraction {m['clip_fraction']:.3f}, {m['num_samples']} samples")  # fmt: skip
+            pipes.report_custom_message(m)
+
+        forwarder = _Forwarder(Path(args[5]) / PROGRESS_FILE, emit)
+        forwarder.start()
+        try:
+            train_data_parallel(*args, **spec)
+        finally:
+            forwarder.finish()
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main(sys.argv[1], "--pipes" in sys.argv[2:])

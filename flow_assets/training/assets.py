@@ -28,6 +28,7 @@ from dagster import (
     Config,
     Failure,
     MaterializeResult,
+    PipesSubprocessClient,
     AssetSpec,
     MetadataValue,
     TableColumn,
@@ -229,6 +230,8 @@ def policy_checkpoint(
         summary, steps = train_candidate(
             policy.store(), registry, key, tables, tasks.agent_id, trainer, config.negate_advantages, config.kl_samples, log_step,
             sources=loop.update_rules(tasks.agent_id), workers=loop.training_workers, ray_address=loop.ray_address or None,
+            # the Ray driver's process through Dagster Pipes: its per-step lines appear in this run's log as they come
+            launch=lambda command: PipesSubprocessClient().run(command=[*command, "--pipes"], context=context),
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc

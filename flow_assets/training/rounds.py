@@ -399,6 +399,7 @@ def train_candidate(
     tools: list[dict[str, Any]] | None = None,
     workers: int = 0,
     ray_address: str | None = None,
+    launch: Callable[[list[str]], None] | None = None,
 ) -> tuple[RoundSummary, list[StepMetrics]]:
     """Train a candidate adapter from the champion on ``batch`` and save it (round directory
     ``store.round_dir(batch)``: ``checkpoints/``, ``adapter/``, ``round.json``).
@@ -425,6 +426,8 @@ def train_candidate(
             Ray Train workers (:mod:`flow_assets.cluster.ray_training`, the ``ray`` extra) on the
             cluster at ``ray_address`` (``None``: the one this process is connected to, else a
             local one), with the same checkpoints and resume.
+        launch: with ``workers``, how the Ray driver process is started
+            (:func:`~flow_assets.cluster.ray_training.run_driver`; e.g. through Dagster Pipes).
 
     Returns:
         The summary (also written) and the per-step metrics.
@@ -476,7 +479,7 @@ def train_candidate(
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     parent_file.write_text(champion["version"])
     if workers:
-        result = _train_on_ray(store, champion["adapter_path"], model, samples, config, workers, ray_address, run_dir, on_step)
+        result = _train_on_ray(store, champion["adapter_path"], model, samples, config, workers, ray_address, run_dir, on_step, launch)
     else:
         try:
             result = train_grpo_round(model, samples, config, resume=True, on_step=on_step)
@@ -524,7 +527,7 @@ def train_candidate(
 
 
 def _train_on_ray(store: PolicyStore, adapter: str, model, samples: list[TrainingSample], config: GRPOTrainerConfig, workers: int,
-                  ray_address: str | None, run_dir: Path, on_step) -> Any:  # fmt: skip
+                  ray_address: str | None, run_dir: Path, on_step, launch) -> Any:  # fmt: skip
     """The update of :func:`train_candidate` on ``workers`` Ray Train workers, driven from a
     process of its own (:func:`~flow_assets.cluster.ray_training.run_driver`); ``model`` (this
     process's copy) gets the trained weights. Checkpoints of another round are removed here,
@@ -539,7 +542,7 @@ def _train_on_ray(store: PolicyStore, adapter: str, model, samples: list[Trainin
         GRPORoundTrainer(model, samples, config).resume_from_latest()
     except CheckpointMismatch:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    result, trained = run_driver(store, adapter, samples, config, workers, run_dir / "data_parallel", address=ray_address)
+    result, trained = run_driver(store, adapter, samples, config, workers, run_dir / "data_parallel", address=ray_address, launch=launch)
     set_peft_model_state_dict(model, load_file(str(trained / "adapter_model.safetensors")))
     for metrics in result.steps if on_step else ():
         if result.resumed_from is None or metrics.step > result.resumed_from:

@@ -130,40 +130,53 @@ def test_two_ray_workers_give_the_in_process_update_and_a_killed_worker_resumes(
     assert _same_update(two, killed, _weights(two_dir), _weights(killed_dir), 1e-2) == 0.0
 
 
-def test_a_round_of_the_pipeline_trains_on_ray_workers_as_in_process(cluster, calculator_policy_dir, tmp_path):
-    """``train_candidate`` (what ``policy_checkpoint`` runs) on a batch of real captured rollouts,
-    in process and then on 2 Ray workers (``FLOWOPT_TRAINING_WORKERS=2``): the same steps."""
+def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_in_process(cluster, calculator_policy_dir, tmp_path):
+    """``policy_checkpoint`` with ``FLOWOPT_TRAINING_WORKERS=2`` on a batch of real captured
+    rollouts: its Ray driver started through Dagster Pipes (each step's line in the run's log as
+    it comes), the same steps as ``train_candidate`` in process on the same batch."""
     import shutil
 
-    from dagster import instance_for_test
+    from dagster import AssetKey, instance_for_test
 
     from flow_assets.definitions import build_definitions
     from flow_assets.runtime.local import execute_requests, run_job, tick_sensor
-    from flow_assets.training.rounds import train_candidate
+    from flow_assets.training.rounds import read_round_summary, train_candidate
+    from flow_assets.training.run_config import RoundSettings, TrainConfig
     from resources.lake import TrajectoryLake
+    from resources.loop import TrainingLoop
     from resources.tasks import TaskSourceResource
+    from tests.training.test_assets import failure
 
     models = tmp_path / "models"
     shutil.copytree(calculator_policy_dir, models)
     (models / "registry.json").write_text((models / "registry.json").read_text().replace(str(calculator_policy_dir), str(models)))
     tasks = TaskSourceResource(kind="calculator")
-    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=tasks, settle_seconds=0)
+    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=tasks, settle_seconds=0,
+                             loop=TrainingLoop(training_workers=2, ray_address=cluster))  # fmt: skip
+    run_config = RoundSettings(trainer={"learning_rate": 1e-3, "minibatch_size": 8, "micro_batch_size": 2, "num_iterations": 1,
+                                        "save_steps": 1, "seed": 3}).run_config()  # fmt: skip
     (tmp_path / "home").mkdir()
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         assert run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"rollouts": {"config": {"tasks_per_batch": 8, "group_size": 4}}}}).success
         (key,) = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor")).succeeded
-    lake = TrajectoryLake(root=str(tmp_path / "lake"))
-    tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")}
-    store, registry = PolicyStore(str(models)), AdapterRegistry(root=str(models))
-    config = GRPOTrainerConfig(learning_rate=1e-3, minibatch_size=8, micro_batch_size=2, num_iterations=1, save_steps=1, seed=3)
-    local, local_steps = train_candidate(store, registry, key, tables, tasks.agent_id, config)
-    local_weights = _weights(Path(local.candidate_adapter))
-    shutil.rmtree(models / "runs" / key)
-    on_ray, ray_steps = train_candidate(store, registry, key, tables, tasks.agent_id, config, workers=2, ray_address=cluster)
+        lake = TrajectoryLake(root=str(tmp_path / "lake"))
+        tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")}
+        store, registry = PolicyStore(str(models)), AdapterRegistry(root=str(models))
+        config = TrainConfig(**run_config["ops"]["policy_checkpoint"]["config"]).to_pure()
+        local, _ = train_candidate(store, registry, key, tables, tasks.agent_id, config)
+        local_weights = _weights(Path(local.candidate_adapter))
+        shutil.rmtree(models / "runs" / key)
+        trained = defs.get_job_def("training_round_job").execute_in_process(
+            run_config={"ops": {"policy_checkpoint": run_config["ops"]["policy_checkpoint"]}}, instance=instance, partition_key=key,
+            asset_selection=[AssetKey("policy_checkpoint")], raise_on_error=False,
+        )  # fmt: skip
+        assert trained.success, failure(trained)
+        lines = [e.user_message for e in instance.all_logs(trained.run_id) if "ray rank 0: step" in (e.user_message or "")]
+    on_ray = read_round_summary(models / "runs" / key)
     assert local.num_samples == on_ray.num_samples > 0 and local.final_step == on_ray.final_step >= 2
     assert on_ray.losses == pytest.approx(local.losses, rel=1e-5, abs=1e-7) and on_ray.grad_norms == pytest.approx(local.grad_norms, rel=1e-5)
-    assert [m.step for m in ray_steps] == [m.step for m in local_steps]
     ray_weights = _weights(Path(on_ray.candidate_adapter))
     assert all(torch.allclose(local_weights[k], ray_weights[k], atol=1e-2 * 1e-3) for k in local_weights)
-    # the checkpoints were written by rank 0 where the in-process round writes them
+    # the checkpoints are where the in-process round writes them; every step reached the run's log through Pipes
     assert (models / "runs" / key / "checkpoints" / f"checkpoint-{on_ray.final_step}" / "trainer_state.json").exists()
+    assert [int(line.split("step ")[1].split(":")[0].split("/")[0]) for line in lines] == list(range(1, on_ray.final_step + 1)), lines
