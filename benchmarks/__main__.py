@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import machine_snapshot, quiet_libraries, set_torch_threads, versions
 
-BENCHMARKS = ("data_plane", "trainer_vs_trl", "collection", "gateway", "training_round", "sample_efficiency", "jobs_api")
+BENCHMARKS = ("data_plane", "trainer_vs_trl", "collection", "gateway", "training_round", "sample_efficiency", "jobs_api", "scale_out")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

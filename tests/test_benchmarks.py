@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks import collection, data_plane, gateway, sample_efficiency, trainer_vs_trl, training_round
+from benchmarks import collection, data_plane, gateway, sample_efficiency, scale_out, trainer_vs_trl, training_round
 from benchmarks.__main__ import main as bench_main
 from benchmarks.common import linear_fit, ratio, scaling_exponent, summarize
 
@@ -168,6 +168,32 @@ def test_sample_efficiency_quick_gives_a_curve_and_a_plateau():
     assert curve["plateau"]["trajectories"] in (None, 0, 512)
     assert result["summary"]["seeds"] == 1
     assert result["headline"][0]["value"] is not None
+
+
+def test_scale_out_quick_times_the_update_in_process_and_on_ray_workers():
+    result = scale_out.run(quick=True)
+    assert positive(result["in_process"]["median"]) and "ray_1" not in result
+    ray = result["ray_2"]
+    assert positive(ray["wall_s"]["median"]) and positive(ray["training_s"]["median"])
+    # the driver, its local cluster and the worker group come on top of rank 0's own training
+    assert ray["overhead_s"]["median"] == pytest.approx(ray["wall_s"]["median"] - ray["training_s"]["median"])
+    assert ray["overhead_s"]["median"] > 0
+    assert_headline(result)
+
+
+def test_the_gpu_projection_follows_its_formula():
+    a = dict(scale_out.GPU_ASSUMPTIONS, round_fixed_s=0.0)
+    plan = scale_out.projection(a, gpus=(1, 4, 16))
+    compute = a["flops_per_token"] * a["model_params"] * a["tokens_per_step"] / (a["gpu_flops"] * a["mfu"])
+    assert plan[1]["step_s"] == pytest.approx(compute) and plan[1]["allreduce_s"] == 0.0
+    # ring all-reduce: 2 (M - 1) / M of the gradient bytes over the link, NVLink within a node, Ethernet across
+    grad = a["lora_params"] * a["grad_bytes_per_param"]
+    assert plan[4]["allreduce_s"] == pytest.approx(2 * 3 / 4 * grad / a["nvlink_bytes_per_s"])
+    assert plan[16]["allreduce_s"] == pytest.approx(2 * 15 / 16 * grad / a["ethernet_bytes_per_s"])
+    assert plan[4]["speedup"] == pytest.approx(compute / (compute / 4 + plan[4]["allreduce_s"]))
+    # a fixed cost per round caps what more GPUs give
+    capped = scale_out.projection(dict(scale_out.GPU_ASSUMPTIONS, round_fixed_s=1e6), gpus=(1, 16))
+    assert capped[16]["speedup"] < 1.0
 
 
 def test_plateau_is_the_first_point_near_the_final_value():
