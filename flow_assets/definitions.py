@@ -99,7 +99,8 @@ def build_resources(
         "tasks": tasks or TaskSourceResource(kind=settings.tasks, agent=settings.agent),
         "loop": loop or TrainingLoop(
             self_play_rounds=settings.self_play_rounds, run_config_path=settings.run_config, sources=dict(settings.training_sources),
-            round_schedule=list(settings.round_schedule), training_workers=settings.training_workers, ray_address=settings.ray_address,
+            round_schedule=list(settings.round_schedule), training_workers=settings.training_workers,
+            rollout_workers=settings.rollout_workers, ray_address=settings.ray_address,
         ),
         "tracking": tracking or ExperimentTracking(target=settings.tracking),
         "live_ab": live_ab or LiveAB(enabled=settings.live_ab, share=settings.live_ab_share),

@@ -184,6 +184,8 @@ class Settings:
             prompt policy alone always gets prompt rounds.
         training_workers: data-parallel Ray Train workers a LoRA round's update runs on
             [FLOWOPT_TRAINING_WORKERS]; 0 (the default): in the run's own process.
+        rollout_workers: Ray rollout workers (each a gateway replica) a LoRA round's held-out
+            evaluation runs on [FLOWOPT_ROLLOUT_WORKERS]; 0 (the default): in the run's process.
         ray_address: the Ray cluster those workers run on [FLOWOPT_RAY_ADDRESS]; empty: a local
             cluster started by the run.
         tracking: experiment tracking target, ``""`` = off [FLOWOPT_TRACKING].
@@ -232,6 +234,7 @@ class Settings:
     training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)
     round_schedule: tuple[str, ...] = _var("FLOWOPT_ROUND_SCHEDULE", ("adapter",), _schedule)
     training_workers: int = _var("FLOWOPT_TRAINING_WORKERS", 0, _count(0))
+    rollout_workers: int = _var("FLOWOPT_ROLLOUT_WORKERS", 0, _count(0))
     ray_address: str = _var("FLOWOPT_RAY_ADDRESS", "")
     tracking: str = _var("FLOWOPT_TRACKING", "")
     live_ab: bool = _var("FLOWOPT_LIVE_AB", False, _flag)

@@ -25,7 +25,6 @@ As for the update (:mod:`flow_assets.cluster.ray_training`), the driver is a pro
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -47,26 +46,15 @@ def shards(n_tasks: int, workers: int) -> list[list[int]]:
 
 def _evaluate_shard(store, source, agent, agent_id: str, tasks: list, policies: dict, config, scratch: str, on_start=None) -> list[dict]:
     """One rollout worker: a gateway replica of its own and its shard's agents (every policy and
-    mode); the rows of :func:`~flow_assets.training.rounds.evaluation_rows`."""
-    from flow_assets.serving.agents.harness import HarnessConfig, run_rollouts
+    mode); the rows of :func:`~flow_assets.serving.agents.evaluation.agents_rows`."""
+    from flow_assets.serving.agents.evaluation import agents_rows
     from flow_assets.serving.gateway.serve import serve_policy
-    from flow_assets.training.rounds import evaluation_rows
 
     if on_start is not None:
         on_start(tasks)
     with serve_policy(store, scratch, extra=policies) as server:
-
-        async def everything():
-            runs = {
-                (name, mode): run_rollouts(server.url, agent, tasks, source.score, 1, agent_id=agent_id,
-                                           config=HarnessConfig(config.concurrency, config.timeout_s, name, t, None, land=False))
-                for name in policies
-                for mode, t in config.temperatures.items()
-            }  # fmt: skip
-            return dict(zip(runs, await asyncio.gather(*runs.values())))
-
-        results = asyncio.run(everything())
-    return [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]
+        return agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency,
+                           config.timeout_s)  # fmt: skip
 
 
 def evaluate_on_ray(store, source, agent, agent_id: str, tasks: list, policies: dict, config, workers: int, scratch_dir: str | Path,

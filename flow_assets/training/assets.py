@@ -303,15 +303,18 @@ def evaluation_report(
     policy: PolicyModel,
     tasks: TaskSourceResource,
     tracking: ExperimentTracking,
+    loop: TrainingLoop,
 ) -> MaterializeResult:
     """Candidate vs champion agents on the same held-out tasks through the gateway, greedy and
     sampled: success rate, mean reward, tokens, LLM and tool calls with 95% intervals, McNemar and
     paired bootstrap; the gate's blocking checks (gain, finite loss, KL bound) decide whether
-    promotion may run."""
+    promotion may run. With FLOWOPT_ROLLOUT_WORKERS set, the agents run over that many Ray
+    rollout workers, each a gateway replica."""
     key = context.partition_key
     store = policy.store()
     summary = read_round_summary(store.round_dir(key))
-    rows, result = evaluate_candidate(store, tasks.source(), tasks.agent_fn(), tasks.agent_id, summary, config.to_pure())
+    rows, result = evaluate_candidate(store, tasks.source(), tasks.agent_fn(), tasks.agent_id, summary, config.to_pure(),
+                                      loop.rollout_workers, loop.ray_address or None)  # fmt: skip
     lake.write_partition("evaluations", key, rows)
     report, metric = result.report, result.gate_config.metric
     decision = verdict(summary.parent_version, result.gate)

@@ -40,6 +40,7 @@ from flow_assets.policy.prompt import PromptPolicy, hosted_version
 from flow_assets.policy.store import PolicyStore
 from flow_assets.policy.prompt_search import Demonstration, best_candidate, demonstration_pool, fewshot_candidates
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
+from flow_assets.serving.agents.evaluation import evaluation_rows
 from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, run_rollouts
 from flow_assets.serving.gateway.app import Gateway
 from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver
@@ -47,7 +48,6 @@ from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.serving.gateway.server import GatewayServer
 from flow_assets.serving.gateway.upstream import Upstream
 from flow_assets.tasks.sources import Task
-from flow_assets.training.rounds import evaluation_rows
 
 
 class PromptRoundError(RuntimeError):

@@ -33,7 +33,8 @@ import polars as pl
 
 from flow_assets.core.atomic import write_json_atomic
 from flow_assets.core.memory import release_free_memory
-from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, RolloutResult, run_rollouts
+from flow_assets.serving.agents.evaluation import agents_rows
+from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, run_rollouts
 from flow_assets.serving.gateway.app import GatewayConfig
 from flow_assets.serving.gateway.engine import AdapterRef
 from flow_assets.serving.gateway.serve import serve_policy
@@ -642,18 +643,6 @@ def gate_results(summary: RoundSummary, report: dict[str, Any], gate: GateConfig
     )
 
 
-def evaluation_rows(results: list[RolloutResult], policy: str, mode: str) -> list[dict[str, Any]]:
-    """One :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` row per rollout (a failed one scores 0)."""
-    return [
-        {
-            "policy": policy, "mode": mode, "task_id": r.task_id, "completion": r.answer, "reward": r.score,
-            "success": r.success, "completion_tokens": r.completion_tokens, "llm_calls": r.llm_calls,
-            "tool_calls": r.tool_calls,
-        }
-        for r in results
-    ]  # fmt: skip
-
-
 def evaluate_agents(
     store: PolicyStore,
     source: TaskSource,
@@ -663,10 +652,15 @@ def evaluate_agents(
     policies: dict[str, AdapterRef],
     config: EvaluationConfig,
     scratch_dir: str | Path,
+    workers: int = 0,
+    ray_address: str | None = None,
 ) -> tuple[pl.DataFrame, float]:
     """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled at
     ``config.sampled_temperature``), side by side through one in-process gateway; the rollouts do
-    not land (held-out tasks never train).
+    not land (held-out tasks never train). With ``workers`` > 0, over that many Ray rollout
+    workers instead, each a gateway replica with its shard of the tasks
+    (:mod:`flow_assets.cluster.ray_rollouts`), on the cluster at ``ray_address`` (``None``: a
+    local one).
 
     Before and after, the memory the allocator kept from the phase before (a training run's
     tensors, the decoding cache) goes back to the system (:func:`~flow_assets.core.memory.release_free_memory`),
@@ -676,25 +670,17 @@ def evaluate_agents(
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` and the wall time, seconds.
     """
     started = time.perf_counter()
+    if workers:
+        from flow_assets.cluster.ray_rollouts import run_eval_driver
+
+        rows = run_eval_driver(store, source, agent, agent_id, tasks, policies, config, workers, Path(scratch_dir) / "rollout_workers",
+                               address=ray_address)  # fmt: skip
+        return rows, time.perf_counter() - started
     gc.collect()  # a trained model's reference cycles (PEFT wrappers) go before the release
     release_free_memory()
     with serve_policy(store, scratch_dir, extra=policies) as server:
-
-        async def everything():
-            runs = {
-                (name, mode): run_rollouts(
-                    server.url, agent, tasks, source.score, 1, agent_id=agent_id,
-                    config=HarnessConfig(config.concurrency, config.timeout_s, name, temperature, None, land=False),
-                )  # fmt: skip
-                for name in policies
-                for mode, temperature in config.temperatures.items()
-            }
-            done = await asyncio.gather(*runs.values())
-            return dict(zip(runs, done))
-
-        results = asyncio.run(everything())
+        rows = agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency, config.timeout_s)
     release_free_memory()
-    rows = [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]
     return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started
 
 
@@ -705,16 +691,19 @@ def evaluate_candidate(
     agent_id: str,
     summary: RoundSummary,
     config: EvaluationConfig,
+    workers: int = 0,
+    ray_address: str | None = None,
 ) -> tuple[pl.DataFrame, EvaluationResult]:
     """Candidate vs the champion it grew from, on the first ``max_tasks`` held-out tasks, and
-    the gate's verdict; writes ``evaluation.json`` into the round's directory."""
+    the gate's verdict; writes ``evaluation.json`` into the round's directory. ``workers`` /
+    ``ray_address``: as :func:`evaluate_agents` (0: in process)."""
     run_dir = store.round_dir(summary.batch)
     held_out = source.tasks("held_out")[: config.max_tasks]
     policies = {
         "candidate": AdapterRef("candidate", summary.candidate_adapter),
         "champion": AdapterRef(summary.parent_version, summary.parent_adapter),
     }
-    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, policies, config, run_dir)
+    rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, policies, config, run_dir, workers, ray_address)
     report = compare_policies(rows)
     result = EvaluationResult(report, config.gate, gate_results(summary, report, config.gate), seconds)
     write_evaluation(result, run_dir)

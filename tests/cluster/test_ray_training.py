@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -125,7 +126,7 @@ def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_
     (models / "registry.json").write_text((models / "registry.json").read_text().replace(str(calculator_policy_dir), str(models)))
     tasks = TaskSourceResource(kind="calculator")
     defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), models_root=str(models), tasks=tasks, settle_seconds=0,
-                             loop=TrainingLoop(training_workers=2, ray_address=cluster))  # fmt: skip
+                             loop=TrainingLoop(training_workers=2, rollout_workers=2, ray_address=cluster))  # fmt: skip
     run_config = RoundSettings(trainer={"learning_rate": 1e-3, "minibatch_size": 8, "micro_batch_size": 2, "num_iterations": 1,
                                         "save_steps": 1, "seed": 3}).run_config()  # fmt: skip
     (tmp_path / "home").mkdir()
@@ -139,12 +140,19 @@ def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_
         local, _ = train_candidate(store, registry, key, tables, tasks.agent_id, config)
         local_weights = _weights(Path(local.candidate_adapter))
         shutil.rmtree(models / "runs" / key)
+        # the update and then the held-out evaluation (FLOWOPT_ROLLOUT_WORKERS=2) on the cluster
+        evaluation = {"max_tasks": 16, "modes": ["greedy"], "gate": {"metric": "greedy", "min_gain": -1.0, "max_kl": 1e9}}
         trained = defs.get_job_def("training_round_job").execute_in_process(
-            run_config={"ops": {"policy_checkpoint": run_config["ops"]["policy_checkpoint"]}}, instance=instance, partition_key=key,
-            asset_selection=[AssetKey("policy_checkpoint")], raise_on_error=False,
+            run_config={"ops": {"policy_checkpoint": run_config["ops"]["policy_checkpoint"],
+                                "evaluation_report": RoundSettings(evaluation=evaluation).run_config()["ops"]["evaluation_report"]}},
+            instance=instance, partition_key=key, asset_selection=[AssetKey("policy_checkpoint"), AssetKey("evaluation_report")],
+            raise_on_error=False,
         )  # fmt: skip
         assert trained.success, failure(trained)
         lines = [e.user_message for e in instance.all_logs(trained.run_id) if "ray rank 0: step" in (e.user_message or "")]
+    evaluated = lake.read_partition("evaluations", key)
+    assert evaluated.height == 2 * 16 and sorted(set(evaluated["policy"])) == ["candidate", "champion"]
+    assert evaluated.group_by("policy").agg(pl.col("task_id").n_unique())["task_id"].to_list() == [16, 16]
     on_ray = read_round_summary(models / "runs" / key)
     assert local.num_samples == on_ray.num_samples > 0 and local.final_step == on_ray.final_step >= 2
     assert on_ray.losses == pytest.approx(local.losses, rel=1e-5, abs=1e-7) and on_ray.grad_norms == pytest.approx(local.grad_norms, rel=1e-5)
