@@ -47,6 +47,7 @@ from flow_assets.training.prompt_rounds import (
     proxy_scores,
     search_prompt,
     search_tasks_for,
+    server_failures,
 )
 from resources.lake import TrajectoryLake
 from resources.live_ab import LiveAB
@@ -221,6 +222,7 @@ def prompt_candidate(
         "champion": version, "best": found.best, "best_is_champion": best_is_champion, "mean_rewards": found.mean_rewards,
         "demonstrations": found.demonstrations, "search_task_ids": found.search_task_ids, "candidate_path": str(path),
         "content_hash": best.content_hash, "usage": {"prompt_tokens": spent.prompt_tokens, "completion_tokens": spent.completion_tokens},
+        "server_failures": server_failures(work / "search"),
         "reflection": None if reflected is None else {"improved": reflected.improved, "val_scores": reflected.val_scores,
                                                       "instructions": reflected.instructions, "metric_calls": reflected.metric_calls,
                                                       "reflection_calls": reflected.reflection_calls},
@@ -265,7 +267,7 @@ def prompt_evaluation(
             raise PromptRoundError(f"the champion is {version} now, the candidate was searched from {search['champion']}: run the round again")
         candidate = PromptPolicy.load(search["candidate_path"])
         if search["best_is_champion"]:
-            report = {"champion": None, "candidate": None, "gain": 0.0, "mcnemar_p": 1.0, "n_tasks": 0, "passed": False,
+            report = {"champion": None, "candidate": None, "gain": 0.0, "mcnemar_p": 1.0, "n_tasks": 0, "server_failures": {}, "passed": False,
                       "reason": "no candidate beat the champion prompt on the search tasks"}  # fmt: skip
         else:
             held_out = source.tasks("held_out")[: settings.heldout_tasks]
@@ -274,7 +276,7 @@ def prompt_evaluation(
             rows, usage = score({"champion": prompt, "candidate": candidate}, held_out, work / "gate")
             _record_usage(lake, key, tasks.agent_id, "gate", usage)
             lake.write_partition("prompt_evaluations", key, rows)
-            report = gate_report(rows, settings.alpha, candidate_is_champion=False)
+            report = gate_report(rows, settings.alpha, candidate_is_champion=False, failures=server_failures(work / "gate"))
             spent = Usage(search["usage"]["prompt_tokens"], search["usage"]["completion_tokens"]) + usage
             try:
                 check_token_budget(spent, settings, "gate")

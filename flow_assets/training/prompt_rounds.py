@@ -130,6 +130,18 @@ def landed_usage(directory: Path) -> Usage:
     return Usage(prompt, completion, n, unreported)
 
 
+def server_failures(directory: Path) -> dict[str, int]:
+    """Calls the model server failed (``metadata.failed_calls`` with a status of 500 or more:
+    unreachable, timed out, crashed), per served version, in the trajectories under ``directory``."""
+    counts: dict[str, int] = {}
+    for path in sorted(Path(directory).rglob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            for failure in (json.loads(line).get("metadata") or {}).get("failed_calls") or []:
+                if int(failure.get("status") or 0) >= 500:
+                    counts[failure.get("version", "")] = counts.get(failure.get("version", ""), 0) + 1
+    return counts
+
+
 def landed_flows(directory: Path) -> list[Trajectory]:
     """Every trajectory in the JSONL files under ``directory``, in file then line order."""
     return [Trajectory.model_validate_json(line) for p in sorted(Path(directory).rglob("*.jsonl")) for line in p.read_text().splitlines()]
@@ -250,28 +262,34 @@ def search_prompt(champion: PromptPolicy, flows: Sequence[Trajectory], held_out_
     return PromptSearch(candidates, means, best, len(pool), [t.task_id for t in search_on], usage)
 
 
-def gate_report(rows: pl.DataFrame, alpha: float, candidate_is_champion: bool) -> dict:
+def gate_report(rows: pl.DataFrame, alpha: float, candidate_is_champion: bool, failures: dict[str, int] | None = None) -> dict:
     """Step 3's verdict from the paired held-out rows of policies ``champion`` and ``candidate``
-    (one ``sampled`` row per policy and task).
+    (one ``sampled`` row per policy and task). ``failures``: calls the model server failed per
+    policy (:func:`server_failures`); any makes the gate block, since a task lost to the server
+    counts as the prompt's failure and the two sides need not have lost the same tasks.
 
     Returns:
         ``champion`` / ``candidate`` success rates, ``gain`` (candidate - champion, in success
-        rate), ``mcnemar_p`` (exact), ``n_tasks``, ``passed`` and ``reason``.
+        rate), ``mcnemar_p`` (exact), ``n_tasks``, ``server_failures``, ``passed`` and ``reason``.
 
     Raises:
         ValueError: as :func:`~flow_assets.rl.evaluation.compare_policies` (a policy missing, task sets differ).
     """
     r = compare_policies(rows)["sampled"]
     gain, p = float(r["gain"]), float(r["mcnemar"]["p_value"])
-    passed = not candidate_is_champion and gain > 0 and p < alpha
+    failed = {k: v for k, v in sorted((failures or {}).items()) if v}
+    passed = not candidate_is_champion and gain > 0 and p < alpha and not failed
     if candidate_is_champion:
         reason = "no candidate beat the champion prompt on the search tasks"
+    elif failed:
+        reason = (f"the model server failed {sum(failed.values())} calls of the gate ({', '.join(f'{k} {v}' for k, v in failed.items())}; "
+                  f"gain {gain:+.3f}): the outcomes are not comparable, run the round again")  # fmt: skip
     elif passed:
         reason = f"gain {gain:+.3f} with McNemar p {p:.2g} < {alpha}"
     else:
         reason = f"gain {gain:+.3f} with McNemar p {p:.2g}: not significant at {alpha}" if gain > 0 else f"gain {gain:+.3f}: no gain"
     return {"champion": r["champion"]["success_rate"]["rate"], "candidate": r["candidate"]["success_rate"]["rate"], "gain": gain,
-            "mcnemar_p": p, "n_tasks": r["n_tasks"], "passed": passed, "reason": reason}  # fmt: skip
+            "mcnemar_p": p, "n_tasks": r["n_tasks"], "server_failures": failed, "passed": passed, "reason": reason}  # fmt: skip
 
 
 def check_token_budget(spent: Usage, settings: PromptRoundSettings, step: str) -> None:

@@ -203,3 +203,24 @@ def test_round_pieces_search_tasks_budget_and_gate():
     report = gate_report(rows.cast(EVAL_SCHEMA).select(list(EVAL_SCHEMA)), 0.05, candidate_is_champion=False)
     assert report["mcnemar_p"] == pytest.approx(2 * (1 + 14 + 91) / 2**14) and report["gain"] == pytest.approx(10 / 30) and report["passed"]
     assert not gate_report(rows.cast(EVAL_SCHEMA).select(list(EVAL_SCHEMA)), 0.05, candidate_is_champion=True)["passed"]
+    # a call the model server failed (unreachable, timed out) is a task lost by the server, not
+    # by the prompt: the same significant gain blocks, and says why
+    failed = gate_report(rows.cast(EVAL_SCHEMA).select(list(EVAL_SCHEMA)), 0.05, candidate_is_champion=False, failures={"champion": 2, "candidate": 0})
+    assert not failed["passed"] and failed["server_failures"] == {"champion": 2} and "server failed 2 calls" in failed["reason"]
+    assert failed["gain"] == pytest.approx(10 / 30)
+
+
+def test_server_failures_count_the_calls_the_model_server_failed_per_version(tmp_path):
+    from flow_assets.training.prompt_rounds import server_failures
+
+    lines = [
+        {"adapter_version": "candidate", "metadata": {"failed_calls": [{"version": "candidate", "status": 504, "message": "PoolTimeout"},
+                                                                       {"version": "candidate", "status": 400, "message": "too long"}]}},
+        {"adapter_version": "champion", "metadata": {"failed_calls": [{"version": "champion", "status": 502, "message": "refused"}]}},
+        {"adapter_version": "champion", "metadata": {}},
+    ]  # fmt: skip
+    (tmp_path / "flows" / "round").mkdir(parents=True)
+    (tmp_path / "flows" / "round" / "b.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # a 400 is the prompt's own doing (too long for the context): it stays the prompt's failure
+    assert server_failures(tmp_path) == {"candidate": 1, "champion": 1}
+    assert server_failures(tmp_path / "nothing") == {}

@@ -122,8 +122,12 @@ class UpstreamClient:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             headers = {"Authorization": f"Bearer {self.upstream.api_key}"} if self.upstream.api_key else {}
+            # no pool timeout: a call waiting for one of the pool's connections (more agents than
+            # connections) is queueing, not an upstream failure; under load such waits passed the
+            # call timeout and were recorded as 504s of whichever prompt queued most (a gate of
+            # make demo-prompt on a busy machine counted 148 of them against its candidate)
             self._client = httpx.AsyncClient(base_url=self.upstream.base_url, headers=headers,
-                                             timeout=httpx.Timeout(self.upstream.timeout_s))  # fmt: skip
+                                             timeout=httpx.Timeout(self.upstream.timeout_s, pool=None))  # fmt: skip
         return self._client
 
     async def aclose(self) -> None:
