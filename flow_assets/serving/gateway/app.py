@@ -183,6 +183,7 @@ class Gateway:
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._prompts: dict[str, PromptPolicy] = {}
+        self._kinds: dict[str, str] = {}  # version directory -> policy_kind
         self._prompts_lock = threading.Lock()
 
     def prompt_policy(self, ref: AdapterRef) -> PromptPolicy | None:
@@ -200,7 +201,8 @@ class Gateway:
         """
         if not ref.path:
             return None
-        kind = policy_kind(ref.path)
+        if (kind := self._kinds.get(ref.path)) is None:  # once per directory: no file checks on every call
+            kind = self._kinds[ref.path] = policy_kind(ref.path)
         if self.upstream is not None and kind != "prompt":
             raise PromptPolicyError(f"{ref.version} is not a prompt policy alone (no {PROMPT_POLICY_FILE} in its directory, or a LoRA "
                                     "adapter beside it); a LoRA adapter needs a gateway that hosts the model")  # fmt: skip
