@@ -425,8 +425,9 @@ def train_candidate(
             ``workers``, once per step after the data-parallel update ends.
         workers: 0 (the default): the update runs in this process; N >= 1: data-parallel over N
             Ray Train workers (:mod:`flow_assets.cluster.ray_training`, the ``ray`` extra) on the
-            cluster at ``ray_address`` (``None``: the one this process is connected to, else a
-            local one), with the same checkpoints and resume.
+            cluster at ``ray_address`` (``None``: a local one the driver process starts), with the
+            same checkpoints and resume; the summary's ``training_seconds`` is then rank 0's own
+            training time, without the driver's and the workers' start.
         launch: with ``workers``, how the Ray driver process is started
             (:func:`~flow_assets.cluster.ray_training.run_driver`; e.g. through Dagster Pipes).
 
