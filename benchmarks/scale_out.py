@@ -1,6 +1,6 @@
-"""``scale_out`` (#31): one round's update in process against the same update on 1 and 2 Ray Train
-workers (:mod:`flow_assets.cluster.ray_training`), on this machine, and the same figures projected
-for a GPU cluster on paper.
+"""``scale_out`` (#31): one round's collection and update in process against the same on 1 and 2
+Ray workers (:mod:`flow_assets.cluster.ray_rollouts`, :mod:`flow_assets.cluster.ray_training`), on
+this machine, and the update's figures projected for a GPU cluster on paper.
 
 Measured, on the tiny policy (the model ``make demo`` trains; random weights, since an update's
 cost does not depend on them): 64 completions (8 prompts x 8) of 32 tokens after 24-token
@@ -13,7 +13,13 @@ prompts, minibatches of 32 in micro-batches of 8, 2 passes: 4 optimizer steps.
   Train's worker group, the update, the result. ``wall_s`` is all of it; ``training_s`` is rank
   0's own training time (:attr:`RoundResult.seconds`); ``overhead_s`` the difference.
 
-Collection on Ray workers is not built yet, so it is not measured. On 2 cores the workers share
+- ``collection``: :func:`~flow_assets.training.rounds.collect_batch` of the same policy's
+  calculator agents (8 train tasks x G = 8; quick: 4 x 4; at most the store's new-token limit per
+  call) in process (``in_process``) and with ``workers`` = 1 / 2 and no address (``ray_1`` /
+  ``ray_2``: a driver process, a local cluster, a gateway replica per worker, the merge), wall
+  seconds to the landed batch.
+
+On 2 cores the workers share
 the CPUs the one process had: no speed-up is expected, and the update of a tiny model is far
 shorter than starting a cluster, so the overhead dominates; the projection says where that turns.
 
@@ -88,14 +94,15 @@ def run(quick: bool = False) -> dict:
     """The scale-out benchmark (module docstring).
 
     Returns:
-        ``in_process``, ``ray_1`` (not in a quick run), ``ray_2`` (seconds, with the spread over repeats), the
-        settings, ``projection`` and ``headline``.
+        ``in_process``, ``ray_1`` (not in a quick run), ``ray_2`` (seconds, with the spread over repeats),
+        ``collection`` (the same three keys, wall seconds), the settings, ``projection`` and ``headline``.
     """
     from flow_assets.cluster.ray_training import run_driver
     from flow_assets.policy.configs import GRPOTrainerConfig
     from flow_assets.policy.store import PolicyStore
     from flow_assets.policy.trainer import train_grpo_round
-    from flow_assets.training.rounds import build_base_policy
+    from flow_assets.serving.agents.builtin import calculator_agent
+    from flow_assets.training.rounds import CollectConfig, build_base_policy, collect_batch
     from flow_assets.policy.sft import SFTConfig
     from flow_assets.policy.tiny_model import TinyModelConfig
     from flow_assets.tasks.calculator import CalculatorSource
@@ -125,12 +132,22 @@ def run(quick: bool = False) -> dict:
                 started = time.perf_counter()
                 result, _ = run_driver(store, adapter, samples, config(root / f"ray{workers}-{r}"), workers, root / f"out{workers}-{r}")
                 rays[workers].append((time.perf_counter() - started, result.seconds))
+        collection: dict[str, list[float]] = {"in_process": [], **{f"ray_{w}": [] for w in rays}}
+        tasks, group = (4, 4) if quick else (8, 8)
+        for r in range(repeats):
+            for name in collection:
+                workers = 0 if name == "in_process" else int(name.split("_")[1])
+                landed = collect_batch(store, CalculatorSource(), calculator_agent, "flowopt:calculator", registry, root / f"landing-{name}-{r}",
+                                       CollectConfig(tasks_per_batch=tasks, group_size=group, concurrency=16), workers=workers)  # fmt: skip
+                assert landed.rollouts == tasks * group, landed
+                collection[name].append(landed.seconds)
     ray_stats = {
         f"ray_{w}": {"wall_s": summarize([t for t, _ in runs]), "training_s": summarize([s for _, s in runs]),
                      "overhead_s": summarize([t - s for t, s in runs])}
         for w, runs in rays.items()
     }  # fmt: skip
     in_process = summarize(local)
+    collected = {name: summarize(times) for name, times in collection.items()}
     plan = projection()
     headline = [
         {"figure": "update, in process (4 steps, 64 completions)" if not quick else "update, in process (quick)", "value": in_process["median"], "unit": "s",
@@ -139,15 +156,19 @@ def run(quick: bool = False) -> dict:
            "value": [s["wall_s"]["median"], s["training_s"]["median"], s["overhead_s"]["median"]], "unit": "s",
            "note": "wall: driver + local cluster + worker group + update"} for w, s in ((w, ray_stats[f"ray_{w}"]) for w in rays)),
         {"figure": "Ray 2 workers / in process, wall", "value": ray_stats["ray_2"]["wall_s"]["median"] / in_process["median"], "unit": "x"},
+        {"figure": f"collection of {tasks * group} rollouts: in process / " + " / ".join(f"{w} Ray worker{'s' if w > 1 else ''}" for w in rays),
+         "value": [collected[name]["median"] for name in collected], "unit": "s",
+         "note": "wall to the landed batch; Ray: driver + local cluster + a gateway replica per worker + merge"},
         {"figure": "projected round speed-up on 2 / 8 / 16 H100s (7B, LoRA r16)", "value": [plan[2]["speedup"], plan[8]["speedup"], plan[16]["speedup"]],
          "unit": "x", "note": "on paper: GPU_ASSUMPTIONS in benchmarks/scale_out.py"},
     ]  # fmt: skip
     return {
-        "what": "one round's update in process vs on 1 and 2 Ray Train workers (local cluster), and a GPU projection",
+        "what": "one round's collection and update in process vs on 1 and 2 Ray workers (local cluster), and a GPU projection",
         "settings": {"completions": n_prompts * per_prompt, "prompt_tokens": 24, "completion_tokens": 32, "minibatch": minibatch,
                      "micro_batch": 8, "steps": 4, "repeats": repeats, "cpus": "the machine's; Ray gives each worker one"},  # fmt: skip
         "in_process": in_process,
         **ray_stats,
+        "collection": {"rollouts": tasks * group, **collected},
         "projection": {"assumptions": GPU_ASSUMPTIONS, "gpus": plan},
         "headline": headline,
     }

@@ -184,8 +184,8 @@ class Settings:
             prompt policy alone always gets prompt rounds.
         training_workers: data-parallel Ray Train workers a LoRA round's update runs on
             [FLOWOPT_TRAINING_WORKERS]; 0 (the default): in the run's own process.
-        rollout_workers: Ray rollout workers (each a gateway replica) a LoRA round's held-out
-            evaluation runs on [FLOWOPT_ROLLOUT_WORKERS]; 0 (the default): in the run's process.
+        rollout_workers: Ray rollout workers (each a gateway replica) a LoRA round's collection and
+            held-out evaluation run on [FLOWOPT_ROLLOUT_WORKERS]; 0 (the default): in the run's process.
         ray_address: the Ray cluster those workers run on [FLOWOPT_RAY_ADDRESS]; empty: a local
             cluster started by the run.
         tracking: experiment tracking target, ``""`` = off [FLOWOPT_TRACKING].

@@ -37,8 +37,9 @@ class TrainingLoop(ConfigurableResource):
             refused when the file is read, naming the file.
         training_workers: 0 (default): a LoRA round's update runs in the run's own process; N:
             data-parallel on N Ray Train workers (:mod:`flow_assets.cluster.ray_training`).
-        rollout_workers: 0 (default): a LoRA round's held-out evaluation runs in the run's own
-            process; N: over N Ray rollout workers (:mod:`flow_assets.cluster.ray_rollouts`).
+        rollout_workers: 0 (default): a LoRA round's rollout collection and held-out evaluation
+            run in the run's own process; N: over N Ray rollout workers
+            (:mod:`flow_assets.cluster.ray_rollouts`).
         ray_address: the Ray cluster they run on; empty: a local one started by the run.
         round_schedule: the kinds of round a hosted policy cycles through
             (:func:`flow_assets.policy.prompt.next_round_kind`); ``["adapter"]`` by default.
@@ -52,7 +53,7 @@ class TrainingLoop(ConfigurableResource):
     )
     run_config_path: str | None = Field(None, description="JSON file {job name: run config} the sensors launch runs with")
     training_workers: int = Field(0, ge=0, description="data-parallel Ray Train workers of a LoRA round's update (0: in the run's process)")
-    rollout_workers: int = Field(0, ge=0, description="Ray rollout workers (gateway replicas) of a LoRA round's held-out evaluation (0: in the run's process)")
+    rollout_workers: int = Field(0, ge=0, description="Ray rollout workers (gateway replicas) of a LoRA round's collection and held-out evaluation (0: in the run's process)")
     ray_address: str = Field("", description="the Ray cluster of those workers (empty: a local one the run starts)")
     round_schedule: list[str] = Field(
         default_factory=lambda: ["adapter"],

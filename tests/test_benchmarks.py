@@ -170,7 +170,7 @@ def test_sample_efficiency_quick_gives_a_curve_and_a_plateau():
     assert result["headline"][0]["value"] is not None
 
 
-def test_scale_out_quick_times_the_update_in_process_and_on_ray_workers():
+def test_scale_out_quick_times_the_collection_and_update_in_process_and_on_ray_workers():
     result = scale_out.run(quick=True)
     assert positive(result["in_process"]["median"]) and "ray_1" not in result
     ray = result["ray_2"]
@@ -178,6 +178,9 @@ def test_scale_out_quick_times_the_update_in_process_and_on_ray_workers():
     # the driver, its local cluster and the worker group come on top of rank 0's own training
     assert ray["overhead_s"]["median"] == pytest.approx(ray["wall_s"]["median"] - ray["training_s"]["median"])
     assert ray["overhead_s"]["median"] > 0
+    collected = result["collection"]  # the same 16 rollouts landed in process and through a driver with 2 gateway replicas
+    assert collected["rollouts"] == 16 and set(collected) == {"rollouts", "in_process", "ray_2"}
+    assert positive(collected["in_process"]["median"]) and positive(collected["ray_2"]["median"])
     assert_headline(result)
 
 

@@ -135,15 +135,19 @@ def rollouts(
     tasks: TaskSourceResource,
     registry: AdapterRegistry,
     landing: LogLanding,
+    loop: TrainingLoop,
 ) -> MaterializeResult:
     """One batch of rollouts: the champion's agents work on train tasks through an in-process
     gateway (real HTTP, the official openai client), G per task; each rollout is scored by the
     verifier and the batch lands as canonical JSONL in the landing directory (.tmp, then rename),
     where new_logs_sensor makes it a log batch. Each materialisation is one batch; its metadata
-    names the file and the champion that produced it."""
+    names the file and the champion that produced it. With FLOWOPT_ROLLOUT_WORKERS set, the
+    agents run over that many Ray rollout workers, each a gateway replica, and the batch still
+    lands as one file with each rollout once."""
     try:
         result = collect_batch(
-            policy.store(), tasks.source(), tasks.agent_fn(), tasks.agent_id, registry, landing.directory, config.to_pure()
+            policy.store(), tasks.source(), tasks.agent_fn(), tasks.agent_id, registry, landing.directory, config.to_pure(),
+            loop.rollout_workers, loop.ray_address or None,
         )
     except RoundError as exc:
         raise Failure(str(exc)) from exc

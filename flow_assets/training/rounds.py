@@ -202,14 +202,22 @@ def collect_batch(
     registry: Registry,
     landing_dir: str | Path,
     config: CollectConfig | None = None,
+    workers: int = 0,
+    ray_address: str | None = None,
 ) -> CollectionResult:
     """Run the champion's agents on a batch of train tasks through an in-process gateway (real
     HTTP) and land the batch as ``<landing>/<source>/r<round>-<id>.jsonl`` (round = batches landed
     before it + 1; its partition key then starts with ``r<round>``, see ``flow_assets.logs.landing.batch_key``).
 
+    With ``workers`` > 0 the agents run on that many Ray rollout workers instead, each a gateway
+    replica with its share of the tasks (all G rollouts of a task on one), on the cluster at
+    ``ray_address`` (``None``: a local one); the batch still lands as one file, each rollout
+    exactly once even when a worker dies (:func:`~flow_assets.cluster.ray_rollouts.collect_on_ray`).
+
     Raises:
         RoundError: no champion.
         GatewayError / OSError: the gateway could not be started or refused the rollouts.
+        RuntimeError: the Ray driver failed (``workers`` > 0).
     """
     config = config or CollectConfig()
     champion = require_champion(registry)
@@ -222,8 +230,16 @@ def collect_batch(
     chosen = [train[i] for i in rng.choice(len(train), size=min(config.tasks_per_batch, len(train)), replace=False)]
     batch = f"r{batch_number + 1:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
     harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
+    gateway = GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)
     started = time.perf_counter()
-    with serve_policy(store, landing_dir, config=GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)) as server:
+    if workers:
+        from flow_assets.cluster.ray_rollouts import run_collect_driver
+
+        landed = run_collect_driver(store, source, agent, agent_id, chosen, config.group_size, batch, folder, harness, gateway, workers,
+                                    landing_dir, address=ray_address)  # fmt: skip
+        return CollectionResult(str(landed.path), batch, champion["version"], landed.rollouts, landed.failed_rollouts, landed.success_rate,
+                                landed.mean_llm_calls, landed.mean_tool_calls, time.perf_counter() - started)  # fmt: skip
+    with serve_policy(store, landing_dir, config=gateway) as server:
         results = asyncio.run(
             run_rollouts(server.url, agent, chosen, source.score, config.group_size,
                          agent_id=agent_id, batch=batch, source=folder, config=harness)

@@ -55,3 +55,62 @@ def test_two_rollout_workers_give_the_in_process_greedy_outcomes_and_a_killed_wo
     assert marker.exists(), "the fault was not injected"
     assert retried.height == 24 and retried["task_id"].n_unique() == 24
     assert _outcomes(retried) == _outcomes(local)
+
+
+def test_collection_on_two_rollout_workers_lands_every_rollout_once_when_a_worker_is_killed_mid_collection(cluster, calculator_policy_dir, tmp_path):
+    import threading
+    import time
+
+    from flow_assets.cluster.ray_rollouts import SCRATCH, run_collect_driver
+    from flow_assets.logs.schema import Trajectory
+    from flow_assets.serving.agents.harness import HarnessConfig
+    from flow_assets.serving.gateway.app import GatewayConfig
+    from flow_assets.training.rounds import CollectConfig, collect_batch
+
+    tasks = TaskSourceResource(kind="calculator")
+    source, agent = tasks.source(), tasks.agent_fn()
+    store = PolicyStore(str(calculator_policy_dir))
+    registry = AdapterRegistry(root=str(calculator_policy_dir))
+
+    # a round's collection through collect_batch: one batch file, G records per task, the round's name
+    landing = tmp_path / "landing"
+    result = collect_batch(store, source, agent, tasks.agent_id, registry, landing, CollectConfig(tasks_per_batch=6, group_size=2, concurrency=4),
+                           workers=2, ray_address=cluster)  # fmt: skip
+    records = [Trajectory.model_validate_json(line) for line in open(result.path, "rb")]
+    assert result.batch.startswith("r0001-") and result.rollouts == len(records) == 12 and result.failed_rollouts == 0
+    assert sorted((r.task_id, r.metadata["sample_index"]) for r in records) == sorted({(r.task_id, g) for r in records for g in (0, 1)})
+    assert [p.name for p in (landing / "flowopt-calculator").iterdir()] == [f"{result.batch}.jsonl"]
+    assert not any((landing / SCRATCH).iterdir())  # the shards' directories go once the batch has landed
+
+    # the worker holding the first task SIGKILLs itself once, after its gateway has landed 3
+    # rollouts of its shard: Ray runs the shard again, which keeps those and runs only the rest
+    chosen, group = source.tasks("train")[:8], 3
+    marker = tmp_path / "landed-before-the-kill"
+
+    def kill_after_three(shard, shard_dir) -> None:
+        if marker.exists() or chosen[0].task_id not in {t.task_id for t in shard}:
+            return
+
+        def watch() -> None:
+            while True:
+                for journal in shard_dir.glob("*/*.jsonl.tmp"):
+                    complete = [line for line in journal.read_bytes().splitlines(keepends=True) if line.endswith(b"\n")]
+                    if len(complete) >= 3:
+                        marker.write_bytes(b"".join(complete))
+                        os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.02)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    harness = HarnessConfig(concurrency=4, timeout_s=120.0, model="policy", temperature=1.0, land=True)
+    landed = run_collect_driver(store, source, agent, tasks.agent_id, chosen, group, "r0002-killed", "flowopt-calculator", harness,
+                                GatewayConfig(default_max_tokens=store.max_new_tokens, seed=1), 2, landing, address=cluster,
+                                on_start=kill_after_three)  # fmt: skip
+    assert marker.exists(), "the fault was not injected"
+    lines = landed.path.read_bytes().splitlines(keepends=True)
+    before_kill = marker.read_bytes().splitlines(keepends=True)
+    assert len(before_kill) >= 3 and all(line in lines for line in before_kill)  # finished before the kill: landed as they were
+    complete = [line for line in lines if line.endswith(b"}\n")]  # a torn line (if the kill hit a write) lands too, to be quarantined
+    keys = [(r.task_id, r.metadata["sample_index"]) for r in map(Trajectory.model_validate_json, complete)]
+    assert len(keys) == len(set(keys)) == landed.rollouts == len(chosen) * group  # every rollout once: none lost, none twice
+    assert len(lines) == landed.rollouts + landed.torn_lines

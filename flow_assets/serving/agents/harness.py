@@ -23,7 +23,7 @@ import inspect
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +130,7 @@ async def run_rollouts(
     source: str | None = None,
     config: HarnessConfig | None = None,
     metadata: dict[str, Any] | None = None,
+    skip: Collection[tuple[str, int]] = (),
 ) -> list[RolloutResult]:
     """Run ``group_size`` agents on every task through the gateway at ``base_url``.
 
@@ -141,9 +142,11 @@ async def run_rollouts(
         batch / source: the log batch the rollouts land in and its landing sub-directory.
         config: concurrency, timeout, served model, sampling overrides, landing.
         metadata: merged into every trajectory's metadata.
+        skip: ``(task_id, sample_index)`` pairs not to run (rollouts a killed attempt already
+            landed, :mod:`flow_assets.cluster.ray_rollouts`).
 
     Returns:
-        One :class:`RolloutResult` per (task, sample), task-major, in input order.
+        One :class:`RolloutResult` per (task, sample) run, task-major, in input order.
 
     Raises:
         GatewayError: the gateway refused to open or finish the rollouts.
@@ -152,7 +155,9 @@ async def run_rollouts(
 
     config = config or HarnessConfig()
     tag = batch or f"eval-{uuid.uuid4().hex[:8]}"
-    specs = [(task, g, f"{tag}-{i}-{g}-{uuid.uuid4().hex[:8]}") for i, task in enumerate(tasks) for g in range(group_size)]
+    left_out = set(skip)
+    specs = [(task, g, f"{tag}-{i}-{g}-{uuid.uuid4().hex[:8]}") for i, task in enumerate(tasks) for g in range(group_size)
+             if (task.task_id, g) not in left_out]  # fmt: skip
     semaphore = asyncio.Semaphore(config.concurrency)
     tls = ssl.create_default_context()  # built once: a client building its own costs ~20 ms
     async with httpx2.AsyncClient(base_url=base_url, timeout=config.timeout_s + 60, verify=tls) as http:
