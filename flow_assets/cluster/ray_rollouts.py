@@ -135,10 +135,10 @@ class LandedBatch:
     mean_tool_calls: float
 
 
-def shard_lines(shard_dir: Path, source: str, batch: str) -> Iterator[tuple[tuple[str, int] | None, bytes]]:
+def shard_lines(shard_dir: Path, source: str, batch: str) -> Iterator[tuple[tuple[str, int] | None, dict | None, bytes]]:
     """Every line of ``batch``'s landed files in one shard's directory (``<batch>.jsonl`` and, after
-    a recovery, ``<batch>-<k>.jsonl``), as ``((task_id, sample_index), line)``, the key ``None``
-    for a line that is not a complete record (torn by a kill)."""
+    a recovery, ``<batch>-<k>.jsonl``), as ``((task_id, sample_index), record, line)``, key and
+    record ``None`` for a line that is not a complete record (torn by a kill)."""
     folder = shard_dir / source
     if not folder.is_dir():
         return
@@ -151,8 +151,8 @@ def shard_lines(shard_dir: Path, source: str, batch: str) -> Iterator[tuple[tupl
                 record = json.loads(line)
                 key = (record["task_id"], int(record["metadata"]["sample_index"]))
             except (ValueError, KeyError, TypeError):
-                key = None
-            yield key, line if line.endswith(b"\n") else line + b"\n"
+                key, record = None, None
+            yield key, record, line if line.endswith(b"\n") else line + b"\n"
 
 
 def _collect_shard(store, source, agent, agent_id: str, tasks: list, group_size: int, batch: str, folder: str, harness, gateway_config,
@@ -167,7 +167,7 @@ def _collect_shard(store, source, agent, agent_id: str, tasks: list, group_size:
     if on_start is not None:
         on_start(tasks, Path(shard_dir))
     with serve_policy(store, shard_dir, config=gateway_config) as server:  # its start lands a killed attempt's open file
-        done = {key for key, _ in shard_lines(Path(shard_dir), folder, batch) if key is not None}
+        done = {key for key, _, _ in shard_lines(Path(shard_dir), folder, batch) if key is not None}
         results = asyncio.run(run_rollouts(server.url, agent, tasks, source.score, group_size, agent_id=agent_id, batch=batch,
                                            source=folder, config=harness, skip=done))  # fmt: skip
     return len(results)
@@ -189,14 +189,14 @@ def merge_shards(scratch: Path, shard_count: int, source: str, batch: str, landi
     lines: list[bytes] = []
     torn = 0
     for w in range(shard_count):
-        for key, line in shard_lines(scratch / f"shard-{w}", source, batch):
+        for key, record, line in shard_lines(scratch / f"shard-{w}", source, batch):
             if key is None:
                 torn += 1
             elif key in seen:
                 raise RuntimeError(f"{batch}: rollout {key} landed twice (shard {w})")
             else:
                 seen.add(key)
-                records.append(json.loads(line))
+                records.append(record)
             lines.append(line)
     target.parent.mkdir(parents=True, exist_ok=True)
     hidden = target.with_name(f".{batch}.merging")
