@@ -9,10 +9,10 @@ BIN := $(VENV)/bin
 # these targets only (the tests make their own).
 DEMO_STATE ?= $(CURDIR)/.demo
 SETTINGS_FILE := .flowopt.toml
-demo demo-real: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
-demo demo-real: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
-demo demo-real: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
-demo demo-real: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
+demo demo-real demo-bfcl: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
+demo demo-real demo-bfcl: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
+demo demo-real demo-bfcl: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
+demo demo-real demo-bfcl: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
 # `make ui`: Dagster reads DAGSTER_HOME itself (not the settings file): the recipe gives it the
 # instance of the settings; with no settings file, the demo's directories as before
 ifeq ($(wildcard $(SETTINGS_FILE)),)
@@ -28,7 +28,7 @@ TORCH_SPEC ?= torch==2.13.0
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
 PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
-.PHONY: install install-bfcl demo demo-real demo-logs demo-text demo-prompt test ui bench clean
+.PHONY: install install-bfcl demo demo-real demo-bfcl demo-logs demo-text demo-prompt test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ $(BIN)/.installed-bfcl: $(BIN)/.installed
 	touch $@
 
 install-bfcl: $(BIN)/.installed-bfcl
+
+# SmolLM2 on BFCL v4 (warm start on train possible answers, then GRPO), scored by BFCL's checker
+demo-bfcl: $(BIN)/.installed-smollm2 $(BIN)/.installed-bfcl
+	$(BIN)/flowopt demo-bfcl
 
 # SmolLM2 trained on real logs another model wrote (tau-bench's GPT-4o airline conversations;
 # FAMILY=fireact for FireAct's ReAct runs), evaluated offline on held-out tasks' next actions

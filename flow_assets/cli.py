@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, demo-logs, demo-text, demo-prompt, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
+Commands: demo, demo-real, demo-bfcl, demo-logs, demo-text, demo-prompt, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -66,6 +66,19 @@ def _demo_real(args: argparse.Namespace, settings: Settings) -> int:
         run_real_demo(rounds=args.rounds, final_tasks=args.final_tasks, settings=settings)
     except PresetUnavailable as exc:
         print(f"flowopt demo-real: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo_bfcl(args: argparse.Namespace, settings: Settings) -> int:
+    from flow_assets.demo.bfcl import run_bfcl_demo
+    from flow_assets.policy.presets import PresetUnavailable
+    from flow_assets.tasks.bfcl import BfclUnavailable
+
+    try:
+        run_bfcl_demo(rounds=args.rounds, final_tasks=args.final_tasks, settings=settings)
+    except (PresetUnavailable, BfclUnavailable) as exc:
+        print(f"flowopt demo-bfcl: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -569,6 +582,10 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--rounds", type=int, default=2, help="training rounds (default 2)")
     real.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     real.set_defaults(fn=_demo_real)
+    bfcl = sub.add_parser("demo-bfcl", help="train SmolLM2-135M-Instruct on BFCL v4, scored by BFCL's own checker (needs the smollm2 and bfcl extras)")
+    bfcl.add_argument("--rounds", type=int, default=2, help="GRPO rounds after the warm start (default 2)")
+    bfcl.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
+    bfcl.set_defaults(fn=_demo_bfcl)
     logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on real logs another model wrote, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")
     logs.add_argument("--family", default="tau-bench", choices=["tau-bench", "fireact"],

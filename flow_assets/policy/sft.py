@@ -7,7 +7,8 @@ minibatch, so prompt tokens carry no loss::
     loss = - sum_{i,t} m_{i,t} log pi(a_{i,t} | prompt_i, a_{i,<t}) / sum_{i,t} m_{i,t}
 
 All parameters the caller left trainable are trained (for the tiny model: all of them), with
-AdamW (Loshchilov & Hutter 2019) at a constant learning rate and gradient-norm clipping.
+AdamW (Loshchilov & Hutter 2019) at a constant learning rate and gradient-norm clipping; a step
+may run as micro-batches (gradient accumulation) and in bfloat16 mixed precision (``SFTConfig``).
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ def sft_on_rows(
         model: causal LM with trainable parameters.
         rows: token rows; only completion tokens carry loss.
         pad_token_id: id used for padding.
-        config: steps, learning rate, batch size, seed.
+        config: steps, learning rate, batch size, micro-batch size, seed.
 
     Returns:
         :class:`SFTResult` with the per-step losses.
 
     Raises:
-        ValueError: if there are no rows or no trainable parameters.
+        ValueError: if there are no rows, no trainable parameters, or a negative micro-batch size.
     """
     config = config or SFTConfig()
     if not rows:
@@ -98,6 +99,9 @@ def sft_on_rows(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters")
+    if config.micro_batch_size < 0:
+        raise ValueError(f"micro_batch_size must be >= 0, got {config.micro_batch_size}")
+    device = params[0].device
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
     rng = np.random.default_rng(config.seed)
     order: list[int] = []
@@ -108,15 +112,26 @@ def sft_on_rows(
         if len(order) < config.batch_size:
             order += rng.permutation(len(rows)).tolist()
         batch, order = order[: config.batch_size], order[config.batch_size :]
-        logp, mask = completion_logprobs(
-            model, [rows[i][0] for i in batch], [rows[i][1] for i in batch], pad_token_id
-        )  # [batch, answer_len] each
-        loss = -(logp * mask).sum() / mask.sum()
+        # the step's loss is normalised by all its answer tokens, so accumulating micro-batches
+        # gives the gradient of one pass over the whole batch
+        tokens = sum(len(rows[i][1]) for i in batch)
+        micro = config.micro_batch_size or len(batch)
+        # rows of similar length share a micro-batch (less padding); the sum is the same
+        batch = sorted(batch, key=lambda i: len(rows[i][0]) + len(rows[i][1]))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        for j in range(0, len(batch), micro):
+            part = batch[j : j + micro]
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                logp, mask = completion_logprobs(
+                    model, [rows[i][0] for i in part], [rows[i][1] for i in part], pad_token_id
+                )  # [micro, answer_len] each, float32 (the log-softmax runs in float32)
+            loss = -(logp * mask).sum() / tokens
+            loss.backward()
+            step_loss += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
-        result.losses.append(float(loss.detach()))
+        result.losses.append(step_loss)
     model.eval()
     result.steps = config.steps
     result.seconds = time.perf_counter() - start

@@ -61,6 +61,7 @@ from flow_assets.training.rounds import (
     promote_candidate,
     read_round_summary,
     train_candidate,
+    warm_start_adapter,
 )
 from resources.loop import TrainingLoop
 from resources.landing import LogLanding
@@ -78,11 +79,15 @@ POOL = "training"  # dagster.yaml: pools default_limit 1, granularity run -> one
 
 # -- base policy ----------------------------------------------------------------------------------
 class BasePolicyConfig(Config):
-    """The tiny demo model and its supervised warm start (ignored when base_model_path is set)."""
+    """The tiny demo model and its supervised warm start; with base_model_path set, the user's
+    model as it is, and an optional warm-start LoRA adapter (``adapter_warm_start``)."""
 
     model: TinyModelRunConfig = Field(default_factory=TinyModelRunConfig, description="size and seed of the tiny model")
     sft: SFTRunConfig = Field(default_factory=SFTRunConfig, description="the supervised warm start")
     sft_demonstrations: int = Field(1000, description="train-split tasks whose demonstrations are the SFT data")
+    adapter_warm_start: bool = Field(False, description=(
+        "with base_model_path set: train a LoRA adapter by SFT (``sft``) on ``sft_demonstrations`` train tasks' "
+        "demonstrations (a seeded sample spread over the split) and promote it as v1 over v0, the model as it is"))
 
 
 @asset(group_name=GROUP, kinds={"pytorch"}, owners=TRAINING_OWNERS, code_version=code_version("flow_assets.policy", "flow_assets.training.rounds"))
@@ -98,7 +103,8 @@ def base_policy(
     Default: a tiny Llama-style model with a character tokenizer and a compact chat template,
     saved with save_pretrained and warm-started by SFT on the task source's demonstration
     conversations (one row per assistant turn, rendered with the chat template). With
-    base_model_path set, the user's model is registered as it is.
+    base_model_path set, the user's model is registered as it is (v0), and with
+    adapter_warm_start a LoRA adapter SFT-trained on the demonstrations becomes champion v1.
     """
     started = time.perf_counter()
     store = policy.store()
@@ -118,8 +124,19 @@ def base_policy(
         )
     else:
         register_identity_adapter(store, registry, by, "the user's base model")
+        if config.adapter_warm_start:
+            warm = warm_start_adapter(store, registry, tasks.source(), config.sft.to_pure(), config.sft_demonstrations, by)
+            meta.update(
+                sft_demonstrations=warm.demonstrations,
+                sft_rows=warm.rows,
+                sft_steps=warm.steps,
+                sft_final_loss=MetadataValue.float(warm.final_loss),
+                sft_seconds=MetadataValue.float(warm.seconds),
+                adapter_parameters=warm.parameters,
+            )
     context.log_event(champion_materialization(registry.load()))
-    return MaterializeResult(metadata={**meta, "base_path": str(store.base_path), "champion": "v0", "seconds": time.perf_counter() - started})
+    champion_version = registry.champion()["version"]
+    return MaterializeResult(metadata={**meta, "base_path": str(store.base_path), "champion": champion_version, "seconds": time.perf_counter() - started})
 
 
 # -- champion and rollout collection --------------------------------------------------------------

@@ -130,6 +130,57 @@ def build_base_policy(
     )  # fmt: skip
 
 
+def spread_sample(tasks: list[Task], count: int, seed: int) -> list[Task]:
+    """``count`` of ``tasks`` drawn without replacement by a seeded permutation, kept in their
+    original order, so a source listed category by category (BFCL) gives every category its share
+    instead of the first category only. All of them when ``count >= len(tasks)``."""
+    if count >= len(tasks):
+        return list(tasks)
+    keep = np.sort(np.random.default_rng(seed).permutation(len(tasks))[:count])
+    return [tasks[i] for i in keep]
+
+
+def warm_start_adapter(
+    store: PolicyStore, registry: Registry, source: TaskSource, sft: SFTConfig, demonstrations: int, by: str
+) -> BasePolicyResult:
+    """A LoRA adapter on the user's base model, trained by SFT on the demonstration conversations
+    of ``demonstrations`` train tasks (:func:`spread_sample` with ``sft.seed``; one row per assistant
+    turn, rendered with the chat template and the task's own tools, loss on the assistant tokens
+    only: :func:`~flow_assets.policy.sft.sft_on_rows`), saved and promoted as champion ``v1`` over
+    ``v0`` (the model as it is, which stays in the registry: the baseline every later champion is
+    compared with). The base weights are not touched. What the warm start is for: a base that never
+    emits the task's output format (SmolLM2 on BFCL answers in prose) gives every GRPO group the
+    same reward, hence zero advantages; the demonstrations put it where GRPO has signal.
+
+    Raises:
+        ValueError: no demonstrations (``demonstrations < 1`` or no train tasks).
+        RoundError: the champion is not ``v0`` (a warm start comes right after ``base_policy``).
+    """
+    from flow_assets.policy.lora import save_lora_adapter
+    from flow_assets.policy.sft import sft_on_rows
+
+    if require_champion(registry)["version"] != "v0":
+        raise RoundError("a warm start goes on v0 only: materialise base_policy again first")
+    base, tokenizer = store.load()
+    model = store.new_adapter(base)
+    tasks = spread_sample(source.tasks("train"), demonstrations, sft.seed)
+    rows = [row for t in tasks for row in conversation_rows(tokenizer, source.demonstration(t), task_tools(source, t))]
+    result = sft_on_rows(model, rows, tokenizer.pad_token_id, sft)
+    v1 = store.adapter_dir("v1")
+    if v1.exists():
+        shutil.rmtree(v1)
+    save_lora_adapter(model, v1)
+    loss = float(np.mean(result.losses[-10:])) if result.losses else float("nan")
+    registry.promote(
+        "v1", str(v1), {"base": str(store.base_path), "sft_demonstrations": len(tasks), "sft_rows": len(rows),
+                        "sft_steps": result.steps, "sft_final_loss": loss},
+        by=by, reason=f"SFT warm start (LoRA) on {len(tasks)} train tasks' demonstrations",
+    )  # fmt: skip
+    return BasePolicyResult(
+        len(tasks), len(rows), result.steps, loss, result.seconds, sum(p.numel() for p in model.parameters() if p.requires_grad)
+    )
+
+
 def register_identity_adapter(store: PolicyStore, registry: Registry, by: str, reason: str) -> str:
     """Save a fresh (identity) LoRA adapter on the base model as ``v0`` and register it as the
     champion. Returns its directory."""
@@ -579,7 +630,10 @@ class EvaluationConfig:
     """
 
     max_tasks: int = field(default=500, metadata={"description": (
-        "held-out tasks evaluated (the first N, fixed order).")})
+        "held-out tasks evaluated (``task_sample`` says which N; fixed for a given source).")})
+    task_sample: Literal["first", "spread"] = field(default="first", metadata={"description": (
+        "which ``max_tasks`` held-out tasks: the ``first`` N in the source's order, or N ``spread`` over the split by a "
+        "fixed seeded sample (for sources listed category by category, such as BFCL, whose first N would be one category).")})
     concurrency: int = field(default=128, metadata={"description": (
         "agents running at once (per policy and mode; four run side by side).")})
     timeout_s: float = field(default=120.0, metadata={"description": (
@@ -590,6 +644,14 @@ class EvaluationConfig:
         "the temperature of the ``sampled`` mode; 1 (the policy's own distribution) by default; a small real model is "
         "usually served cooler (the real-model demo evaluates and collects at 0.7).")})
     gate: GateConfig = field(default_factory=GateConfig, metadata={"description": "the promotion gate's thresholds."})
+
+    def held_out_tasks(self, source: TaskSource) -> list[Task]:
+        """The held-out tasks this evaluation runs: ``max_tasks`` of ``source``'s held-out split,
+        chosen as ``task_sample`` says (``spread``: :func:`spread_sample` with seed 0, always the same)."""
+        held_out = source.tasks("held_out")
+        if self.task_sample == "spread":
+            return spread_sample(held_out, self.max_tasks, seed=0)
+        return held_out[: self.max_tasks]
 
     def __post_init__(self) -> None:
         if not self.modes or set(self.modes) - set(MODES):
@@ -711,11 +773,11 @@ def evaluate_candidate(
     workers: int = 0,
     ray_address: str | None = None,
 ) -> tuple[pl.DataFrame, EvaluationResult]:
-    """Candidate vs the champion it grew from, on the first ``max_tasks`` held-out tasks, and
+    """Candidate vs the champion it grew from, on ``config.held_out_tasks`` (``max_tasks`` of them), and
     the gate's verdict; writes ``evaluation.json`` into the round's directory. ``workers`` /
     ``ray_address``: as :func:`evaluate_agents` (0: in process)."""
     run_dir = store.round_dir(summary.batch)
-    held_out = source.tasks("held_out")[: config.max_tasks]
+    held_out = config.held_out_tasks(source)
     policies = {
         "candidate": AdapterRef("candidate", summary.candidate_adapter),
         "champion": AdapterRef(summary.parent_version, summary.parent_adapter),
@@ -736,7 +798,7 @@ def evaluate_version(
     config: EvaluationConfig,
     scratch_dir: str | Path,
 ) -> tuple[pl.DataFrame, dict[str, Any], float]:
-    """One registry version's agents on the first ``config.max_tasks`` held-out tasks (the same
+    """One registry version's agents on ``config.held_out_tasks`` (the same
     tasks, modes and temperatures a round's gate uses; ``config.gate`` is not read): what
     ``training.evaluate`` answers.
 
@@ -747,7 +809,7 @@ def evaluate_version(
     Raises:
         OSError: the base model or the version's adapter cannot be loaded.
     """
-    held_out = source.tasks("held_out")[: config.max_tasks]
+    held_out = config.held_out_tasks(source)
     rows, seconds = evaluate_agents(store, source, agent, agent_id, held_out, {version.version: version}, config, scratch_dir)
     return rows, summarise_policy(rows), seconds
 

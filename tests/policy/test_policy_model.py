@@ -107,6 +107,29 @@ def test_completions_stop_at_eos_after_sft_and_bad_prompt_fails_alone(tmp_path):
     assert all(len(r.logprobs) == len(r.completion_ids) for r in good)
 
 
+def test_sft_micro_batches_take_the_same_step_as_one_pass(policy_dir):
+    """Accumulated micro-batches (answers of different lengths) normalised by the step's answer
+    tokens give the same parameters after two steps as one pass per step."""
+    demos = [("ab=", "ba"), ("abcde=", "edcba"), ("xy=", "yx"), ("pqr=", "rqp"), ("k=", "k"), ("level=", "level")]
+    params = []
+    for micro in (0, 2, 4):
+        model, tok = load_policy(policy_dir)
+        sft_train(model, tok, demos, SFTConfig(steps=2, learning_rate=1e-2, batch_size=6, micro_batch_size=micro))
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in load_policy(policy_dir)[0].parameters()]))
+    for other in params[1:]:
+        torch.testing.assert_close(other, params[0], rtol=1e-4, atol=1e-5)
+    # bfloat16 mixed precision: a different rounding of the same step, weights still float32
+    model, tok = load_policy(policy_dir)
+    sft_train(model, tok, demos, SFTConfig(steps=2, learning_rate=1e-2, batch_size=6, micro_batch_size=2, bf16=True))
+    mixed = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, params[0])
+    torch.testing.assert_close(mixed, params[0], rtol=0.0, atol=3e-2)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        model, tok = load_policy(policy_dir)
+        sft_train(model, tok, demos, SFTConfig(steps=1, micro_batch_size=-1))
+
+
 def test_lora_adapter_save_load_round_trip(policy_dir, tmp_path):
     base, _ = load_policy(policy_dir)
     peft_model = add_lora_adapter(base, LoraAdapterConfig(rank=4, alpha=8))
