@@ -76,7 +76,7 @@ def _demo_bfcl(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.tasks.bfcl import BfclUnavailable
 
     try:
-        run_bfcl_demo(rounds=args.rounds, final_tasks=args.final_tasks, settings=settings)
+        run_bfcl_demo(rounds=args.rounds, final_tasks=args.final_tasks, modes=tuple(args.modes.split(",")), settings=settings)
     except (PresetUnavailable, BfclUnavailable) as exc:
         print(f"flowopt demo-bfcl: {exc}", file=sys.stderr)
         return 2
@@ -585,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     bfcl = sub.add_parser("demo-bfcl", help="train SmolLM2-135M-Instruct on BFCL v4, scored by BFCL's own checker (needs the smollm2 and bfcl extras)")
     bfcl.add_argument("--rounds", type=int, default=2, help="GRPO rounds after the warm start (default 2)")
     bfcl.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
+    bfcl.add_argument("--modes", default="greedy,sampled", choices=["greedy,sampled", "greedy", "sampled"],
+                      help="modes of the final comparison (default greedy,sampled; greedy alone halves its time)")
     bfcl.set_defaults(fn=_demo_bfcl)
     logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on real logs another model wrote, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")

@@ -51,9 +51,9 @@ def _line(index: int, key: str, champion: str, promoted: bool, summary, evaluati
         "promoted": promoted,
         "gate": {r.name: {"passed": r.passed, "reason": r.reason} for r in evaluation.gate},
         "greedy_success": report["greedy"][holder]["success_rate"]["rate"] if "greedy" in report else None,
-        "sampled_success": report["sampled"][holder]["success_rate"]["rate"],
+        "sampled_success": report["sampled"][holder]["success_rate"]["rate"] if "sampled" in report else None,
         "base_greedy_success": report["greedy"]["champion"]["success_rate"]["rate"] if index == 1 and "greedy" in report else None,
-        "base_sampled_success": report["sampled"]["champion"]["success_rate"]["rate"] if index == 1 else None,
+        "base_sampled_success": report["sampled"]["champion"]["success_rate"]["rate"] if index == 1 and "sampled" in report else None,
         "mean_reward": summary.reward_mean,
         "collect_success_rate": collect_meta.get("success_rate"),
         "mean_llm_calls": collect_meta.get("mean_llm_calls"),
@@ -113,7 +113,7 @@ def _rate(value: float | None) -> str:
 def _print_round(line: dict, progress: str) -> None:
     calls = line["mean_llm_calls"]
     print(
-        f"{line['round']:>5}  {line['champion']:>8}  {_rate(line['greedy_success']):>6}  {line['sampled_success']:>7.3f}  "
+        f"{line['round']:>5}  {line['champion']:>8}  {_rate(line['greedy_success']):>6}  {_rate(line['sampled_success']):>7}  "
         f"{line['mean_reward']:>6.3f}  {'-' if calls is None else f'{calls:.2f}':>5}  {line['seconds']:>7.1f}  "
         f"({line['generation_seconds']:.1f} / {line['training_seconds']:.1f} / {line['other_seconds']:.1f})  "
         + ("promoted" if line["promoted"] else "blocked: " + ", ".join(n for n, g in line["gate"].items() if not g["passed"]))

@@ -110,30 +110,25 @@ def base_policy(
     store = policy.store()
     by = f"dagster run {context.run_id}"
     meta: dict = {}
+    sft = None
     if policy.base_model_path is None:
-        base = build_base_policy(
+        sft = build_base_policy(
             store, registry, tasks.source(), config.model.to_pure(), config.sft.to_pure(), config.sft_demonstrations, by
         )
-        meta.update(
-            sft_demonstrations=base.demonstrations,
-            sft_rows=base.rows,
-            sft_steps=base.steps,
-            sft_final_loss=MetadataValue.float(base.final_loss),
-            sft_seconds=MetadataValue.float(base.seconds),
-            parameters=base.parameters,
-        )
+        meta["parameters"] = sft.parameters
     else:
         register_identity_adapter(store, registry, by, "the user's base model")
         if config.adapter_warm_start:
-            warm = warm_start_adapter(store, registry, tasks.source(), config.sft.to_pure(), config.sft_demonstrations, by)
-            meta.update(
-                sft_demonstrations=warm.demonstrations,
-                sft_rows=warm.rows,
-                sft_steps=warm.steps,
-                sft_final_loss=MetadataValue.float(warm.final_loss),
-                sft_seconds=MetadataValue.float(warm.seconds),
-                adapter_parameters=warm.parameters,
-            )
+            sft = warm_start_adapter(store, registry, tasks.source(), config.sft.to_pure(), config.sft_demonstrations, by)
+            meta["adapter_parameters"] = sft.parameters
+    if sft is not None:
+        meta.update(
+            sft_demonstrations=sft.demonstrations,
+            sft_rows=sft.rows,
+            sft_steps=sft.steps,
+            sft_final_loss=MetadataValue.float(sft.final_loss),
+            sft_seconds=MetadataValue.float(sft.seconds),
+        )
     context.log_event(champion_materialization(registry.load()))
     champion_version = registry.champion()["version"]
     return MaterializeResult(metadata={**meta, "base_path": str(store.base_path), "champion": champion_version, "seconds": time.perf_counter() - started})
