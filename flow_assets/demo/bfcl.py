@@ -183,8 +183,8 @@ def run_bfcl_demo(
         "config": {"warm_start": warm, "collect": collect or COLLECT, "train": train or TRAIN, "gate_eval": gate_eval or GATE_EVAL},
     }  # fmt: skip
     print(f"{'category':<18} {'mode':<8} {'n':>4}  {'base':>6}  {'final':>6}  {'gain':>7}  McNemar p")
-    for name, modes in table.items():
-        for mode, c in modes.items():
+    for name, by_mode in table.items():
+        for mode, c in by_mode.items():
             print(f"{name:<18} {mode:<8} {c['n_tasks']:>4}  {c['base']['rate']:>6.3f}  {c['final']['rate']:>6.3f}  {c['gain']:>+7.3f}  {c['mcnemar_p']:.2g}")
     print(f"final champion {champion['version']}; total {seconds:.0f} s, peak RSS {content['peak_rss_gb']:.1f} GB")
     report.parent.mkdir(parents=True, exist_ok=True)
