@@ -76,7 +76,8 @@ def _demo_bfcl(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.tasks.bfcl import BfclUnavailable
 
     try:
-        run_bfcl_demo(rounds=args.rounds, final_tasks=args.final_tasks, modes=tuple(args.modes.split(",")), settings=settings)
+        run_bfcl_demo(rounds=args.rounds, final_tasks=args.final_tasks, modes=tuple(args.modes.split(",")), eval_dtype=args.eval_dtype,
+                      settings=settings)  # fmt: skip
     except (PresetUnavailable, BfclUnavailable) as exc:
         print(f"flowopt demo-bfcl: {exc}", file=sys.stderr)
         return 2
@@ -587,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     bfcl.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     bfcl.add_argument("--modes", default="greedy,sampled", choices=["greedy,sampled", "greedy", "sampled"],
                       help="modes of the final comparison (default greedy,sampled; greedy alone halves its time)")
+    bfcl.add_argument("--eval-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                      help="precision the final comparison serves both policies in (default bfloat16; collection is float32)")
     bfcl.set_defaults(fn=_demo_bfcl)
     logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on real logs another model wrote, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")

@@ -73,7 +73,7 @@ def _evaluate_shard(store, source, agent, agent_id: str, tasks: list, policies: 
 
     if on_start is not None:
         on_start(tasks)
-    with serve_policy(store, scratch, extra=policies) as server:
+    with serve_policy(store, scratch, extra=policies, dtype=config.dtype) as server:
         return agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency,
                            config.timeout_s)  # fmt: skip
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import polars as pl
 
 from flow_assets.definitions import build_definitions
-from flow_assets.demo.in_process import run_round, _print_round, _print_rounds_header
+from flow_assets.demo.in_process import run_round, print_round, print_rounds_header
 from flow_assets.demo.state import DemoState, instance_cursor, save_cursor
 from flow_assets.policy.presets import prepare_model
 from flow_assets.rl.evaluation import compare_policies
@@ -60,8 +60,11 @@ TRAIN = {"learning_rate": 2e-4, "minibatch_size": 64, "micro_batch_size": 4, "kl
 #: the gate of a round: candidate vs champion, greedy, on 64 held-out tasks spread over the categories
 GATE_EVAL = {
     "max_tasks": 64, "task_sample": "spread", "modes": ["greedy"], "sampled_temperature": TEMPERATURE,
-    "concurrency": 128, "timeout_s": 1800.0, "gate": {"metric": "greedy"},
+    "concurrency": 128, "timeout_s": 1800.0, "gate": {"metric": "greedy"}, "dtype": "bfloat16",
 }  # fmt: skip
+#: the precision both sides of every evaluation are served in (gates and the final comparison);
+#: collection stays float32, the precision the trainer recomputes the behaviour log-probs in
+EVAL_DTYPE = "bfloat16"
 
 
 def _peak_rss_gb() -> float:
@@ -104,6 +107,7 @@ def run_bfcl_demo(
     modes: tuple[str, ...] = ("greedy", "sampled"),
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
     report: Path = REPO_ROOT / "reports" / "bfcl-summary.json",
+    eval_dtype: str = EVAL_DTYPE,
     warm_start: dict | None = None,
     collect: dict | None = None,
     train: dict | None = None,
@@ -122,6 +126,8 @@ def run_bfcl_demo(
             reported figure).
         modes: the final comparison's modes (``greedy`` is the issue's measure; ``sampled`` at
             :data:`TEMPERATURE` doubles the evaluation's time).
+        eval_dtype: the final comparison's serving precision (``"float32"`` or ``"bfloat16"``;
+            :attr:`~flow_assets.training.rounds.EvaluationConfig.dtype`); the gates' is in ``gate_eval``.
         warm_start / collect / train / gate_eval: run configs (defaults :data:`WARM_START`,
             :data:`COLLECT`, :data:`TRAIN`, :data:`GATE_EVAL`).
 
@@ -155,13 +161,13 @@ def run_bfcl_demo(
     warm_seconds = time.perf_counter() - t0
     print(f"v0 = the model as it is; v1 = SFT warm start on {warm['sft_demonstrations']} train tasks, {warm_seconds:.0f} s\n", flush=True)
 
-    _print_rounds_header()
+    print_rounds_header()
     lines = []
     for k in range(1, rounds + 1):
         lines.append(run_round(defs, instance, models_root, k, collect or COLLECT, train or TRAIN, gate_eval or GATE_EVAL))
-        _print_round(lines[-1], f"{k}/{rounds}")
+        print_round(lines[-1], f"{k}/{rounds}")
 
-    print(f"\nbase (v0) and final champion on {len(held_out)} held-out tasks, {' and '.join(modes)} ...", flush=True)
+    print(f"\nbase (v0) and final champion on {len(held_out)} held-out tasks, {' and '.join(modes)}, served in {eval_dtype} ...", flush=True)
     t0 = time.perf_counter()
     policy = defs.resources["policy"]
     champion = AdapterRegistry(root=str(models_root)).champion()
@@ -170,14 +176,14 @@ def run_bfcl_demo(
         "candidate": AdapterRef(champion["version"], champion["adapter_path"]),
     }
     final = EvaluationConfig(max_tasks=len(held_out), concurrency=256, timeout_s=3600.0, modes=tuple(modes),
-                             sampled_temperature=TEMPERATURE, gate=GateConfig(metric=modes[0]))  # fmt: skip
+                             sampled_temperature=TEMPERATURE, gate=GateConfig(metric=modes[0]), dtype=eval_dtype)  # fmt: skip
     rows, _ = evaluate_agents(policy.store(), source, tasks.agent_fn(), tasks.agent_id, held_out, policies, final, models_root / "final-eval")
     table = per_category(rows, {t.task_id: t.metadata["category"] for t in held_out})
     final_seconds = time.perf_counter() - t0
     seconds = time.perf_counter() - started
     content = {
         "model": PRESET, "model_path": prepared.path, "task": "bfcl", "sampled_temperature": TEMPERATURE,
-        "heldout_tasks": len(held_out), "modes": list(modes), "final_champion": champion["version"], "per_category": table,
+        "heldout_tasks": len(held_out), "modes": list(modes), "eval_dtype": eval_dtype, "final_champion": champion["version"], "per_category": table,
         "warm_start_seconds": round(warm_seconds, 2), "rounds": len(lines), "round_lines": lines,
         "final_eval_seconds": round(final_seconds, 2), "seconds": round(seconds, 2), "peak_rss_gb": round(_peak_rss_gb(), 2),
         "config": {"warm_start": warm, "collect": collect or COLLECT, "train": train or TRAIN, "gate_eval": gate_eval or GATE_EVAL},

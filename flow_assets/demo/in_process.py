@@ -99,7 +99,8 @@ def run_round(defs, instance, models_root: Path, round_index: int, collect_confi
     return _line(round_index, key, champion, promoted, summary, evaluation, collect_meta, time.perf_counter() - started)
 
 
-def _print_rounds_header() -> None:
+def print_rounds_header() -> None:
+    """Print the header of the per-round table that :func:`print_round` fills (stdout)."""
     print(
         f"{'round':>5}  {'champion':>8}  {'greedy':>6}  {'sampled':>7}  {'reward':>6}  {'calls':>5}  {'seconds':>7}  "
         "(agents / train / other)  gate"
@@ -110,7 +111,9 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _print_round(line: dict, progress: str) -> None:
+def print_round(line: dict, progress: str) -> None:
+    """Print one round's line (a :func:`run_round` result: success rates, mean reward, seconds split
+    into agents / train / other, the gate's verdict) followed by ``[progress]``."""
     calls = line["mean_llm_calls"]
     print(
         f"{line['round']:>5}  {line['champion']:>8}  {_rate(line['greedy_success']):>6}  {_rate(line['sampled_success']):>7}  "
@@ -131,12 +134,12 @@ def run_rounds(defs, instance, models_root: Path, rounds: int, base_config: dict
         raise RuntimeError("base_policy failed")
     base_seconds = time.perf_counter() - t0
     print(f"base policy ready in {base_seconds:.1f} s\n")
-    _print_rounds_header()
+    print_rounds_header()
     lines = []
     for k in range(1, rounds + 1):
         lines.append(run_round(defs, instance, models_root, k, collect, train, evaluation))
         spent = sum(line["seconds"] for line in lines)
-        _print_round(lines[-1], f"{k}/{rounds}, ETA {spent / k * (rounds - k):.0f} s")
+        print_round(lines[-1], f"{k}/{rounds}, ETA {spent / k * (rounds - k):.0f} s")
     return lines, base_seconds
 
 

@@ -22,7 +22,7 @@ from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from flow_assets.demo.state import DemoState
-from flow_assets.demo.in_process import _line, _print_round, _print_rounds_header, _print_table
+from flow_assets.demo.in_process import _line, print_round, print_rounds_header, _print_table
 
 
 def agent_batch_stats(lake: TrajectoryLake, keys: list[str]) -> dict:
@@ -213,7 +213,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
         record = instance.get_run_records(RunsFilter(run_ids=[base.run_id]), limit=1)[0]
         out["base_seconds"] = (record.end_time or 0) - (record.start_time or 0)
         print(f"base policy ready in {out['base_seconds']:.1f} s (run {base.run_id[:8]})\n", flush=True)
-        _print_rounds_header()
+        print_rounds_header()
         since = record.end_time or time.time()
         for k in range(1, phase.rounds + 1):
             def round_done(k=k):
@@ -225,7 +225,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
             since = _end_time(instance, run.run_id)
             out["lines"].append(line)
             spent = sum(x["seconds"] for x in out["lines"])
-            _print_round(line, f"{k}/{phase.rounds}, ETA {spent / k * (phase.rounds - k):.0f} s")
+            print_round(line, f"{k}/{phase.rounds}, ETA {spent / k * (phase.rounds - k):.0f} s")
         def settled():
             # the history refresh after the last round has run (a daemon started later then has nothing to do)
             history = instance.get_latest_materialization_event(AssetKey("training_history"))

@@ -62,6 +62,8 @@ def sdpa_attention_with_gqa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     q_len = query.shape[2]
+    if q_len == 1 and query.dtype == torch.bfloat16 and query.device.type == "cpu" and not (module.training and dropout):
+        return _decode_step_attention(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if is_causal and key.shape[2] > q_len:
@@ -71,6 +73,39 @@ def sdpa_attention_with_gqa(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_step_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """One decode step's grouped-query attention as two batched matmuls, for bfloat16 on a CPU.
+
+    Why: PyTorch's CPU flash-attention kernel runs a one-token query in bfloat16 about 8x slower
+    than in float32 (16.6 ms against 3.9 ms for 64 rows over 600 keys here, 2026-11-27); two
+    matmuls over the grouped heads take 2.1 ms. The scores' softmax runs in float32. Same formula
+    as ``scaled_dot_product_attention`` (Vaswani et al. 2017, eq. 1), each group of
+    ``heads / kv_heads`` query heads sharing its key/value head (Ainslie et al. 2023, GQA).
+
+    Args:
+        query: ``[batch, heads, 1, head_dim]``.
+        key, value: ``[batch, kv_heads, kv_len, head_dim]``, ``heads % kv_heads == 0``.
+        attention_mask: ``[batch or 1, 1, 1, >= kv_len]`` boolean (``True`` attends) or additive
+            float; ``None`` attends to every key.
+        scaling: the softmax scale (``None``: ``1 / sqrt(head_dim)``).
+
+    Returns:
+        ``[batch, 1, heads, head_dim]`` in ``query``'s dtype (the layout transformers expects).
+    """
+    batch, heads, _, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [batch, kv_heads, group, head_dim]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # [batch, kv_heads, group, kv_len]
+    scores *= scaling if scaling is not None else head_dim**-0.5
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :kv_len]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    weights = scores.softmax(dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(batch, 1, heads, head_dim)
 
 
 def attention_implementation(config: PretrainedConfig) -> str | None:

@@ -104,8 +104,12 @@ def save_tiny_policy(directory: str | Path, config: TinyModelConfig | None = Non
     return directory
 
 
-def load_policy(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(directory: str | Path, dtype: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a saved policy (tiny or real) the standard way; the model is returned in eval mode.
+
+    ``dtype`` (``"float32"``, ``"bfloat16"``, ...; a ``torch`` dtype name) loads the weights in that
+    precision (``from_pretrained(dtype=...)``); ``None`` keeps transformers' default (float32 for the
+    models here, which save float32 weights).
 
     A grouped-query model (fewer key/value heads than query heads, e.g. SmolLM2) is loaded with
     :data:`flow_assets.policy.attention.SDPA_GQA`, which hands the grouped heads to PyTorch
@@ -113,8 +117,15 @@ def load_policy(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
 
     Raises:
         OSError: if ``directory`` holds no model or tokenizer (raised by ``from_pretrained``).
+        ValueError: ``dtype`` is not a floating-point ``torch`` dtype.
     """
     config = AutoConfig.from_pretrained(str(directory))
-    model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation=attention_implementation(config))
+    kwargs = {}
+    if dtype is not None:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+            raise ValueError(f"dtype must name a floating-point torch dtype (e.g. 'float32', 'bfloat16'), got {dtype!r}")
+        kwargs["dtype"] = torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation=attention_implementation(config), **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     return model.eval(), tokenizer

@@ -643,6 +643,10 @@ class EvaluationConfig:
     sampled_temperature: float = field(default=1.0, metadata={"description": (
         "the temperature of the ``sampled`` mode; 1 (the policy's own distribution) by default; a small real model is "
         "usually served cooler (the real-model demo evaluates and collects at 0.7).")})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"description": (
+        "the precision the evaluated policies' weights are served in (transformers backend). ``bfloat16`` evaluates "
+        "faster on a CPU with bfloat16 matrix units (AMX) or a GPU; both sides of the comparison use it, and the "
+        "rollouts that train are still sampled in float32, the precision the trainer recomputes their log-probs in.")})
     gate: GateConfig = field(default_factory=GateConfig, metadata={"description": "the promotion gate's thresholds."})
 
     def held_out_tasks(self, source: TaskSource) -> list[Task]:
@@ -660,6 +664,8 @@ class EvaluationConfig:
             raise ValueError(f"the gate's metric {self.gate.metric!r} is not among the evaluated modes {self.modes!r}")
         if not self.sampled_temperature > 0:
             raise ValueError(f"sampled_temperature must be > 0, got {self.sampled_temperature}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
     @property
     def temperatures(self) -> dict[str, float]:
@@ -757,7 +763,7 @@ def evaluate_agents(
         return rows, time.perf_counter() - started
     gc.collect()  # a trained model's reference cycles (PEFT wrappers) go before the release
     release_free_memory()
-    with serve_policy(store, scratch_dir, extra=policies) as server:
+    with serve_policy(store, scratch_dir, extra=policies, dtype=config.dtype) as server:
         rows = agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency, config.timeout_s)
     release_free_memory()
     return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started

@@ -133,10 +133,15 @@ class PolicyEngine:
         backend: ``"transformers"`` (in process, CPU or GPU) or ``"vllm"`` (GPU; the optional
             ``gpu`` extra): vLLM serves the adapters as LoRA requests, the tokenizer stays this one.
         max_lora_rank: the largest adapter rank vLLM must accept.
+        dtype: the transformers backend's weight precision (``"float32"``, ``"bfloat16"``);
+            ``None``: the model's saved one. Log-probs are computed from float32 logits either way.
+            A lower precision is for evaluation (faster where the CPU has bfloat16 matrix units):
+            rollouts that train must be sampled in the precision the trainer recomputes them in.
 
     Raises:
         OSError: the base model cannot be loaded.
-        ValueError: unknown backend.
+        ValueError: unknown backend, a ``dtype`` that is not a floating-point torch dtype, or a
+            ``dtype`` with the vLLM backend (which picks its own).
         ImportError: ``backend="vllm"`` without vLLM installed.
     """
 
@@ -147,9 +152,12 @@ class PolicyEngine:
         max_adapters: int = 8,
         backend: str = "transformers",
         max_lora_rank: int = 16,
+        dtype: str | None = None,
     ):
         if backend not in ("transformers", "vllm"):
             raise ValueError(f"unknown policy backend {backend!r} (expected 'transformers' or 'vllm')")
+        if backend == "vllm" and dtype is not None:
+            raise ValueError(f"dtype={dtype!r} applies to the transformers backend only; vLLM picks its own precision")
         self.backend = backend
         self._vllm = None
         if backend == "vllm":
@@ -166,7 +174,7 @@ class PolicyEngine:
             from flow_assets.policy.tiny_model import load_policy
 
             self._sample_token_ids = sample_token_ids  # bound once: sample() runs on every call
-            self.base, self.tokenizer = load_policy(base_path)
+            self.base, self.tokenizer = load_policy(base_path, dtype=dtype)
             self.config = self.base.config
         # the gateway checks prompt + completion against the model's positions itself (a 400 for
         # the client); the tokenizer's own length warning would only repeat it in the log
