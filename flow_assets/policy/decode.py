@@ -14,7 +14,9 @@ Layout. Per layer one cache ``[rows, kv_heads, capacity, head_dim]`` in which ev
 aligned: all rows write their next token at the same column, a row's own tokens are the columns
 ``valid: [rows, capacity]`` marks, and the left padding before them is masked. The model gets an
 explicit 4-D additive mask and per-row position ids, so every row sees exactly its own tokens at
-positions ``0 .. len - 1``, as it would alone. New rows are prefilled together, a prefix they all
+positions ``0 .. len - 1``, as it would alone. New rows are prefilled together in buckets of
+similar prompt length (:func:`length_buckets`, so a short prompt is not padded to a long one's
+width), a prefix all of a bucket's rows
 share (at least :data:`~flow_assets.policy.sampling.MIN_SHARED_PREFIX` tokens) computed once, as in
 ``sample_token_ids``, and rows with the same prompt (a request's ``n`` choices, a GRPO group's
 agents, one task in two evaluation modes) prefilled once and their cache rows copied; merging copies the running rows once into a cache sized for the longest
@@ -173,6 +175,40 @@ def _select_rows(cache: _RowCache, index: torch.Tensor) -> None:
             tensors[layer] = None
             tensors[layer] = x.index_select(0, index)
             del x
+
+
+#: a prefill's rows are padded to the longest prompt among them; prompts longer than this times
+#: the shortest of their bucket are prefilled in a bucket of their own (:func:`length_buckets`)
+PREFILL_BUCKET_RATIO = 1.3
+
+
+def length_buckets(rows: Sequence[DecodeRow], ratio: float) -> list[list[DecodeRow]]:
+    """``rows`` in buckets of similar prompt length, shortest first, for separate prefills.
+
+    Why: a prefill pads every prompt to the longest one. Agents whose prompts range from 300 to
+    1,100 tokens (BFCL: each task brings its own tools) admitted together would spend most of the
+    prefill's matmuls on padding, and its attention (quadratic in the width) more so. Rows with
+    the same prompt have the same length and stay in one bucket (prefilled once).
+
+    Args:
+        rows: the rows to prefill (any order).
+        ratio: a bucket's longest prompt is at most ``ratio`` times its shortest (``>= 1``).
+
+    Returns:
+        Every row exactly once, in buckets ordered by prompt length.
+
+    Raises:
+        ValueError: ``ratio < 1``.
+    """
+    if ratio < 1:
+        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    buckets: list[list[DecodeRow]] = []
+    for r in sorted(rows, key=lambda r: len(r.prompt_ids)):
+        if buckets and len(r.prompt_ids) <= ratio * len(buckets[-1][0].prompt_ids):
+            buckets[-1].append(r)
+        else:
+            buckets.append([r])
+    return buckets
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,7 +389,7 @@ class RowDecoder:
         if not rows:
             return []
         with torch.inference_mode():
-            return self._add(list(rows))
+            return [r for bucket in length_buckets(rows, PREFILL_BUCKET_RATIO) for r in self._add(bucket)]
 
     def _add(self, rows: list[DecodeRow]) -> list[DecodeRow]:
         n = len(rows)

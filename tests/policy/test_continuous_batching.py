@@ -220,8 +220,12 @@ def test_rows_with_the_same_prompt_are_prefilled_once_and_sample_what_they_would
     decoder.add(together)
     while decoder.size:
         decoder.step()
-    # no prefix shared by all three prompts: three rows of the longest prompt's width, not six
-    assert decoder.prefill_tokens == 3 * max(len(p) for p in (*prompts, other))
+    # "zz" is far shorter: a prefill of its own (length_buckets), not padded to the others' width;
+    # the two other prompts once each, their shared prefix once: three prompts prefilled, not six rows
+    from flow_assets.policy.sampling import shared_prefix_length
+
+    shared = shared_prefix_length(prompts)
+    assert decoder.prefill_tokens == len(other) + shared + 2 * (max(len(p) for p in prompts) - shared)
     for spec, got in zip(specs, together):
         alone = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
         want = row(*spec)
@@ -230,3 +234,17 @@ def test_rows_with_the_same_prompt_are_prefilled_once_and_sample_what_they_would
             alone.step()
         assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     assert together[0].tokens != together[2].tokens  # the same prompt, other streams: other samples
+
+
+def test_length_buckets_keep_every_row_once_and_bound_the_padding():
+    from flow_assets.policy.decode import length_buckets
+
+    lengths = [300, 1100, 310, 390, 1000, 300, 640, 700]
+    rows = [DecodeRow(list(range(n)), 0.0, 1.0, 4, i) for i, n in enumerate(lengths)]
+    buckets = length_buckets(rows, 1.3)
+    assert [[len(r.prompt_ids) for r in b] for b in buckets] == [[300, 300, 310, 390], [640, 700], [1000, 1100]]
+    assert sorted(id(r) for b in buckets for r in b) == sorted(id(r) for r in rows)  # each row exactly once
+    assert all(len(b[-1].prompt_ids) <= 1.3 * len(b[0].prompt_ids) for b in buckets)
+    assert length_buckets(rows, float("inf")) == [sorted(rows, key=lambda r: len(r.prompt_ids))]  # one prefill
+    with pytest.raises(ValueError, match="ratio"):
+        length_buckets(rows, 0.5)
