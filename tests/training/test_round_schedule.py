@@ -4,6 +4,7 @@ prompt it found, each gated on one change, all through the real sensors, a real 
 and the hosting gateway on the real tiny model."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -51,13 +52,18 @@ def test_a_hosted_policy_gets_a_prompt_round_then_a_lora_round_under_the_prompt(
         searched = run_job(defs, instance, "prompt_round_job", first, {"ops": {n: {"config": ROUND} for n in ("prompt_candidate", "prompt_evaluation")}})
         work = models / "prompt_rounds" / first
         search = json.loads((work / "search.json").read_text())
-        assert search["champion"] == "v0" and len(search["mean_rewards"]) == 3
+        # the champion's prompt, then one candidate per distinct draw of k demonstrations: how many
+        # distinct draws there are depends on how many of the 12 sampled tasks the policy solved
+        pool = search["demonstrations"]
+        assert search["champion"] == "v0" and pool >= 1
+        names = [f"c{i}" for i in range(1 + min(ROUND["num_candidates"], math.comb(pool, min(ROUND["k"], pool))))]
+        assert len(search["mean_rewards"]) == len(names)
         # every candidate was v0's own adapter under its prompt, served by the hosting gateway:
         # the search's flows carry token ids, one version per candidate
         flows = landed_flows(work / "search")
-        assert len(flows) == 3 * 12 and {f.adapter_version for f in flows} == {"c0", "c1", "c2"}
+        assert len(flows) == len(names) * 12 and {f.adapter_version for f in flows} == set(names)
         assert all(s.prompt_token_ids for f in flows for s in f.steps if s.kind in ("tool", "answer"))
-        for name in ("c0", "c1", "c2"):
+        for name in names:
             assert (work / "search" / "prompts" / name / "adapter_model.safetensors").read_bytes() == weights
         candidate = work / "candidate"
         assert policy_kind(candidate) == "adapter+prompt" and (candidate / "adapter_model.safetensors").read_bytes() == weights
