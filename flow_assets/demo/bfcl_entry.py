@@ -23,7 +23,6 @@ more than in float32); and BFCL sends ``store: false`` and no ``max_tokens``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -38,7 +37,7 @@ from flow_assets.serving.agents.evaluation import agents_rows
 from flow_assets.serving.gateway.app import GatewayConfig
 from flow_assets.serving.gateway.engine import AdapterRef
 from flow_assets.serving.gateway.serve import serve_policy
-from flow_assets.settings import Settings
+from flow_assets.settings import Settings, child_environ
 from flow_assets.tasks.bfcl_cli import ENTRY_MODEL, IDS_FILE, cli_commands, cli_environment, compare_verdicts, read_verdicts, run_ids_file
 from flow_assets.training.rounds import spread_sample
 from resources.tasks import TaskSourceResource
@@ -112,7 +111,7 @@ def run_bfcl_entry_point(
         ours_seconds = time.perf_counter() - t0
         print(f"  flowopt: {sum(r['reward'] == 1.0 for r in rows)} of {len(rows)} right in {ours_seconds:.0f} s", flush=True)
         t0 = time.perf_counter()
-        env = cli_environment(os.environ, f"{server.url}/v1", work)
+        env = child_environ(cli_environment(f"{server.url}/v1", work))
         for command in cli_commands(bfcl_python, categories, 0.0, concurrency):
             done = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
             if done.returncode != 0:

@@ -70,12 +70,13 @@ def cli_commands(python: str | Path, categories: Sequence[str], temperature: flo
     ]  # fmt: skip
 
 
-def cli_environment(base: Mapping[str, str], base_url: str, project_root: str | Path) -> dict[str, str]:
-    """The subprocess's environment: ``base`` (a copy; the caller's ``os.environ``, which stays as it
-    is) plus ``OPENAI_BASE_URL`` (``base_url``, e.g. ``http://127.0.0.1:PORT/v1``), a placeholder
+def cli_environment(base_url: str, project_root: str | Path) -> dict[str, str]:
+    """What the subprocess's environment adds to flowopt's (laid over a copy of it by
+    :func:`~flow_assets.settings.child_environ`; flowopt's own stays as it is):
+    ``OPENAI_BASE_URL`` (``base_url``, e.g. ``http://127.0.0.1:PORT/v1``), a placeholder
     ``OPENAI_API_KEY`` (the gateway needs none; the OpenAI client refuses to start without one) and
-    ``BFCL_PROJECT_ROOT``. A key in ``base`` for another provider is kept: BFCL reads only its own."""
-    return {**base, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "unused-by-the-gateway", "BFCL_PROJECT_ROOT": str(project_root)}
+    ``BFCL_PROJECT_ROOT``."""
+    return {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "unused-by-the-gateway", "BFCL_PROJECT_ROOT": str(project_root)}
 
 
 def _json_lines(path: Path) -> list[dict]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flow_assets.tasks.bfcl_cli import ENTRY_MODEL, cli_commands, cli_environment, compare_verdicts, read_verdicts, run_ids_file
+from flow_assets.settings import child_environ
 from flow_assets.tasks.sources import Task
 
 
@@ -45,9 +46,9 @@ def test_the_ids_file_groups_bfcl_ids_by_category_in_task_order():
 
 def test_the_cli_gets_the_gateway_in_its_own_environment_and_ours_stays_as_it_is():
     before = dict(os.environ)
-    env = cli_environment(os.environ, "http://127.0.0.1:9/v1", "/x/bfcl")
+    env = child_environ(cli_environment("http://127.0.0.1:9/v1", "/x/bfcl"))
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["BFCL_PROJECT_ROOT"] == "/x/bfcl" and env["OPENAI_API_KEY"]
-    assert dict(os.environ) == before and "PATH" in env
+    assert dict(os.environ) == before and env["PATH"] == os.environ["PATH"]
     generate, evaluate = cli_commands("/v/bin/python", ["simple_python", "irrelevance"], 0.0, 64)
     assert generate[:4] == ["/v/bin/python", "-m", "bfcl_eval", "generate"] and "--run-ids" in generate
     assert generate[generate.index("--model") + 1] == ENTRY_MODEL and generate[generate.index("--temperature") + 1] == "0.0"
