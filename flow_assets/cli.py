@@ -94,7 +94,7 @@ def _bfcl_entry_point(args: argparse.Namespace, settings: Settings) -> int:
     try:
         run_bfcl_entry_point(adapter=Path(args.adapter).resolve() if args.adapter else None, tasks_limit=args.tasks, dtype=args.dtype,
                              settings=settings)  # fmt: skip
-    except (PresetUnavailable, BfclUnavailable, BfclCliUnavailable) as exc:
+    except (PresetUnavailable, BfclUnavailable, BfclCliUnavailable, FileNotFoundError) as exc:
         print(f"flowopt bfcl-entry-point: {exc}", file=sys.stderr)
         return 2
     return 0

