@@ -11,6 +11,10 @@ left. This sensor starts each step of that loop, one at a time:
    round: wait;
 3. fewer than ``TrainingLoop.self_play_rounds`` rounds done: request ``collect_rollouts_job``.
 
+A batch in which no group got a varied reward gets no round (``training_round_sensor`` declines
+it: nothing to train on) and does not count as one: the loop collects another batch from the same
+champion, and stops asking after ``MAX_NO_SIGNAL_BATCHES`` such batches in a row.
+
 Off by default (``self_play_rounds`` 0). Every decision reads the instance (runs, partitions), not
 a cursor, so a daemon restarted mid-loop goes on where the loop was. Runs carry the tag
 ``flowopt/agent`` and the run config of :class:`~resources.loop.TrainingLoop`.
@@ -18,25 +22,30 @@ a cursor, so a daemon restarted mid-loop goes on where the loop was. Runs carry 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from dagster import DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import AssetKey, DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from flow_assets.jobs import base_policy_job, collect_rollouts_job, log_batch_job, prompt_round_job, training_history_job, training_round_job
 from flow_assets.runtime.recovery import PARTITION_NAME_TAG
 from flow_assets.training.rounds import landing_source
 from flow_assets.core.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
 from resources.loop import TrainingLoop
+from resources.lake import TrajectoryLake
 from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from flow_assets.logs.landing import key_component, key_source
 from sensors.settings import sensor_interval
-from sensors.training import failed_data_checks
+from sensors.training import failed_data_checks, no_signal_reason
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
 #: collections in a row that may fail before the loop stops asking (a broken setup, not bad luck)
 MAX_FAILED_COLLECTIONS = 3
+#: batches in a row with no group of varied reward before the loop stops asking (the champion
+#: solves every task, or fails every one: more rollouts of it teach nothing)
+MAX_NO_SIGNAL_BATCHES = 3
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,8 @@ class LoopState:
             next round does not wait for).
         collections: runs of ``collect_rollouts_job`` for the agent; failed_in_a_row: how many of
             the latest ones failed.
+        no_signal_in_a_row: how many of the latest batches got no round because no group had a
+            varied reward (:func:`sensors.training.trainable_signal`).
     """
 
     batches: tuple[str, ...]
@@ -60,10 +71,12 @@ class LoopState:
     in_flight: int
     collections: int
     failed_in_a_row: int
+    no_signal_in_a_row: int = 0
 
 
-def loop_state(instance, agent_id: str) -> LoopState:
-    """The :class:`LoopState` of ``agent_id`` on ``instance``."""
+def loop_state(instance, agent_id: str, no_signal: Callable[[str], bool] | None = None) -> LoopState:
+    """The :class:`LoopState` of ``agent_id`` on ``instance``; ``no_signal(key)``: whether a batch
+    whose ``advantages`` are materialised has nothing to train on (no round will come)."""
     source = key_component(landing_source(agent_id))
     batches = tuple(k for k in instance.get_dynamic_partitions("log_batches") if key_source(k) == source)
     # a round of either kind (FLOWOPT_ROUND_SCHEDULE may give a turn to the prompt) ends a batch
@@ -76,9 +89,13 @@ def loop_state(instance, agent_id: str) -> LoopState:
         r.tags.get(PARTITION_NAME_TAG)
         for r in instance.get_runs(RunsFilter(job_name=log_batch_job.name, statuses=[DagsterRunStatus.FAILURE]))
     }
-    pending = []
+    pending, declined = [], set()
+    scored = instance.get_materialized_partitions(AssetKey("advantages")) if no_signal is not None else set()
     for key in batches:
         if key in trained:
+            continue
+        if key in scored and no_signal(key):
+            declined.add(key)
             continue
         if key in dead and not instance.get_runs(RunsFilter(job_name=log_batch_job.name, statuses=[DagsterRunStatus.SUCCESS], tags={PARTITION_NAME_TAG: key}), limit=1):
             continue  # its data plane failed: no round will come
@@ -93,6 +110,11 @@ def loop_state(instance, agent_id: str) -> LoopState:
             break
         failed_in_a_row += 1
     unregistered = max(0, len(succeeded) - len(batches))
+    no_signal_in_a_row = 0
+    for key in reversed(batches):  # dynamic partitions in the order they were added
+        if key not in declined:
+            break
+        no_signal_in_a_row += 1
     # the history refresh after a round is bookkeeping (a table of the registry, under a second):
     # the next round need not wait for it, which saved a sensor tick and a launch per round
     in_flight = sum(1 for r in instance.get_runs(RunsFilter(statuses=IN_FLIGHT)) if r.job_name != training_history_job.name)
@@ -103,6 +125,7 @@ def loop_state(instance, agent_id: str) -> LoopState:
         in_flight=in_flight,
         collections=len(collections),
         failed_in_a_row=failed_in_a_row,
+        no_signal_in_a_row=no_signal_in_a_row,
     )
 
 
@@ -117,13 +140,14 @@ def loop_state(instance, agent_id: str) -> LoopState:
     ),
 )
 def self_play_sensor(
-    context: SensorEvaluationContext, loop: TrainingLoop, registry: AdapterRegistry, tasks: TaskSourceResource
+    context: SensorEvaluationContext, loop: TrainingLoop, registry: AdapterRegistry, tasks: TaskSourceResource, lake: TrajectoryLake
 ):
     """One step of the self-play loop (module docstring)."""
     if loop.self_play_rounds <= 0:
         return SkipReason("self-play is off (TrainingLoop.self_play_rounds = 0)")
     agent = tasks.agent_id
-    state = loop_state(context.instance, agent)
+    agents = list(loop.update_rules(agent))
+    state = loop_state(context.instance, agent, lambda key: no_signal_reason(lake, key, agents) is not None)
     if state.in_flight:
         return SkipReason(f"{state.in_flight} run(s) queued or running")
     tags = {AGENT_TAG: agent}
@@ -134,6 +158,9 @@ def self_play_sensor(
         return SkipReason(f"done: {state.rounds_done} of {loop.self_play_rounds} rounds of {agent}")
     if state.pending:
         return SkipReason(f"waiting for the round of {state.pending[0]}")
+    if state.no_signal_in_a_row >= MAX_NO_SIGNAL_BATCHES:
+        return SkipReason(f"the last {state.no_signal_in_a_row} batches of {agent} had no group with a varied reward; "
+                          "its rollouts teach nothing (see training_round_sensor's log)")  # fmt: skip
     if state.failed_in_a_row >= MAX_FAILED_COLLECTIONS:
         return SkipReason(f"the last {state.failed_in_a_row} collections of {agent} failed; see their runs")
     request = RunRequest(

@@ -9,7 +9,9 @@ blocking data checks of the run that produced it passed (a batch with non-finite
 never reaches training). Batches
 served while a live A/B ran (:func:`flow_assets.live_ab.evidence.ab_windows`) are the experiment's evidence
 and are not trained on. Batches
-of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. Rounds run one at
+of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. A batch
+whose trainable trajectories all have advantage 0 (every group's rollouts got the same reward) gets no
+LoRA round: it would make no optimizer step (:func:`trainable_signal`); the sensor logs why. Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
 The champion's kind and the round schedule decide the round's kind (one change per round, so
@@ -65,6 +67,42 @@ def trained_batches(instance: DagsterInstance) -> set[str]:
     return {run.tags[PARTITION_NAME_TAG] for run in runs if PARTITION_NAME_TAG in run.tags}
 
 
+def trainable_signal(advantages: pl.DataFrame, mine: pl.DataFrame) -> str | None:
+    """Why a LoRA round on this batch would have nothing to learn from, or None when it has.
+
+    A GRPO group whose rollouts all got the same reward has advantage 0 for each of them
+    (Shao et al. 2024, eq. 3: the reward minus the group mean), and so do all their steps
+    (:func:`flow_assets.rl.credit.step_advantages` scales the trajectory's advantage); the
+    training loop drops such rows (``dropped_zero_advantage``). When every labelled trajectory of
+    the trainable agents has advantage 0, a round would make no optimizer step and its blocking
+    ``finite_loss`` check would fail the run: the sensor declines the batch instead and says why.
+
+    Args:
+        advantages: the batch's ``advantages`` partition (``trajectory_id``, ``group_key``,
+            ``advantage``; null for unlabelled trajectories).
+        mine: the batch's ``trajectories`` rows of the agents that train the policy
+            (``trajectory_id``).
+    """
+    rows = advantages.join(mine.select("trajectory_id"), on="trajectory_id", how="semi").filter(pl.col("advantage").is_not_null())
+    if rows.filter(pl.col("advantage") != 0).height:
+        return None
+    groups = rows["group_key"].n_unique() if rows.height else 0
+    return (f"no group with a varied reward: all {rows.height} labelled trajectories of the trainable agents "
+            f"({groups} groups) have advantage 0, so a round would have nothing to train on")  # fmt: skip
+
+
+def no_signal_reason(lake: TrajectoryLake, key: str, agents: list[str]) -> str | None:
+    """:func:`trainable_signal` of batch ``key`` for ``agents`` (the trainable agents' ids), from
+    its ``trajectories`` and ``advantages`` partitions; None when they are not both materialised.
+    ``self_play_sensor`` asks it too, so that a declined batch does not stall the loop."""
+    try:
+        traj = lake.read_partition("trajectories", key)
+        advantages = lake.read_partition("advantages", key)
+    except FileNotFoundError:
+        return None
+    return trainable_signal(advantages, traj.filter(pl.col("agent_id").is_in(agents)))
+
+
 @sensor(
     jobs=[training_round_job, prompt_round_job],
     minimum_interval_seconds=sensor_interval(),
@@ -75,7 +113,8 @@ def trained_batches(instance: DagsterInstance) -> set[str]:
         "materialised and whose data checks passed gets one run of training_round_job, or of prompt_round_job "
         "while the champion is a prompt policy (with FLOWOPT_UPSTREAM_URL set) or FLOWOPT_ROUND_SCHEDULE gives a hosted "
         "policy's turn to its prompt. Batches of "
-        "other agents stop after advantages; a batch that already has a training run is never "
+        "other agents stop after advantages, and so does a batch with no group of varied reward (nothing to train on); "
+        "a batch that already has a training run is never "
         "requested again, and a batch served during a live A/B (the experiment's evidence) is not trained on."
     ),
 )
@@ -97,7 +136,7 @@ def training_round_sensor(
         RunRequest(run_key=f"train:{key}:after-{run_id[:8]}", partition_key=key, run_config=run_config, job_name=training_round_job.name)
         for key, run_id in sorted(retries.items())
     ]
-    skipped = []
+    skipped, no_signal = [], []
     windows = ab_windows(registry.load()["history"]) if ready else []
     champ = registry.champion() if ready else None
     kind = policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
@@ -122,6 +161,12 @@ def training_round_sensor(
                                 "(FLOWOPT_UPSTREAM_URL): no round")  # fmt: skip
             trainable = False
         round_kind = next_round_kind(kind, loop.round_schedule, rounds_so_far) if trainable else None
+        if round_kind == "adapter":
+            signal = trainable_signal(lake.read_partition("advantages", key), mine)
+            if signal is not None:
+                context.log.info(f"batch {key}: {signal}; no training round")
+                trainable, round_kind = False, None
+                no_signal.append(key)
         rounds_so_far += trainable
         if round_kind == "prompt":
             requests.append(RunRequest(run_key=f"prompt:{key}", partition_key=key, run_config=loop.run_config(prompt_round_job.name),
@@ -133,6 +178,7 @@ def training_round_sensor(
     cursor = json.dumps(sorted(decided))
     if not requests:
         reason = f"no new batch of {tasks.agent_id}" + (f"; {len(skipped)} other batches stop after advantages" if skipped else "")
+        reason += f" ({len(no_signal)} of them: no group with a varied reward)" if no_signal else ""
         return SensorResult(skip_reason=SkipReason(reason), cursor=cursor)
     return SensorResult(run_requests=requests, cursor=cursor)
 

@@ -148,21 +148,28 @@ def huge_reward(trajectory) -> float:
     return 1.7e308 if trajectory.outcome.success else -1.7e308
 
 
-def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dagster_instance):
-    """Finite rewards of ±1.7e308 (a custom reward function) overflow the turn-weighted group
-    mean (``normalise_over="turn"``: reward × turns), so the advantages are NaN; the blocking check fails the run, and the training sensor declines the
-    batch although it holds the trainable agent's trajectories."""
-    from flow_assets.runtime.local import run_job
+def own_tau_bench(tmp_path):
+    """Definitions whose trainable agent (``flowopt:jsonl``) logged the real tau-bench flows:
+    they land in ``tmp_path/landing`` as that agent's batch."""
     from flow_assets.logs.reader import parse_file
     from resources.tasks import TaskSourceResource
-    from sensors.training import failed_data_checks
 
     landing = tmp_path / "landing" / "mine"
     landing.mkdir(parents=True)
     rows = [r.trajectory.model_copy(update={"agent_id": "flowopt:jsonl"}).model_dump_json() for r in parse_file(TAU_BENCH).valid]
     (landing / "rollouts.jsonl").write_text("\n".join(rows) + "\n")
     tasks = TaskSourceResource(kind="jsonl", path=str(tmp_path / "tasks.jsonl"))
-    defs = build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), tasks=tasks)
+    return build_definitions(str(tmp_path / "lake"), str(tmp_path / "landing"), tasks=tasks)
+
+
+def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dagster_instance):
+    """Finite rewards of ±1.7e308 (a custom reward function) overflow the turn-weighted group
+    mean (``normalise_over="turn"``: reward × turns), so the advantages are NaN; the blocking check fails the run, and the training sensor declines the
+    batch although it holds the trainable agent's trajectories."""
+    from flow_assets.runtime.local import run_job
+    from sensors.training import failed_data_checks
+
+    defs = own_tau_bench(tmp_path)
     overflow = {"ops": {"rewards": {"config": {"custom": {"*": ["tests.data_plane.test_assets:huge_reward"]}}},
                         "advantages": {"config": {"normalise_over": "turn"}}}}  # fmt: skip
     tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), overflow)
@@ -173,6 +180,37 @@ def test_a_batch_with_non_finite_advantages_never_reaches_training(tmp_path, dag
     # the same batch with the default rewards passes the check and is offered for training
     assert run_job(defs, dagster_instance, "log_batch_job", key).success
     assert failed_data_checks(dagster_instance, key) == []
+    assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
+
+
+def constant_reward(trajectory) -> float:
+    """A custom reward that gives every trajectory the same value (with the other terms weighted 0,
+    no group has a varied reward)."""
+    return 1.0
+
+
+def test_a_batch_with_no_group_of_varied_reward_gets_no_training_round(tmp_path, dagster_instance):
+    """The trainable agent's real tau-bench flows under a reward that is the same for every
+    trajectory: every advantage is 0, so a round could make no optimizer step and the training
+    sensor declines the batch, saying why; with the default rewards (49 of 50 groups vary) the
+    same batch is offered."""
+    from flow_assets.runtime.local import run_job
+    from sensors.training import trainable_signal
+
+    defs = own_tau_bench(tmp_path)
+    flat = {"ops": {"rewards": {"config": {"outcome": 0.0, "tool_success": 0.0, "verify": 0.0, "step_penalty": 0.0,
+                                           "custom": {"*": ["tests.data_plane.test_assets:constant_reward"]}}}}}
+    tick = execute_requests(defs, dagster_instance, "log_batch_job", tick_sensor(defs, dagster_instance, "new_logs_sensor"), flat)
+    (key,) = tick.added_partitions
+    assert not tick.failed
+    lake = TrajectoryLake(root=str(tmp_path / "lake"))
+    mine = lake.read_partition("trajectories", key)
+    reason = trainable_signal(lake.read_partition("advantages", key), mine)
+    assert reason is not None and f"all {mine.height} labelled trajectories" in reason
+    assert tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests == []
+    assert run_job(defs, dagster_instance, "log_batch_job", key).success
+    assert trainable_signal(lake.read_partition("advantages", key), mine) is None
+    # the sensor's cursor had declined the batch: a fresh evaluation (no cursor) sees it again
     assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
 
 

@@ -320,8 +320,9 @@ def test_a_multi_turn_agent_round_trains_on_every_turn(calculator_policy_dir, tm
     assert AdapterRegistry(root=str(models)).champion()["version"] == "v1"
 
 
-def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_count(world, tmp_path):
+def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_count(world, tmp_path, monkeypatch):
     from resources.loop import TrainingLoop
+    from sensors import self_play
 
     config = tmp_path / "run-config.json"
     config.write_text(json.dumps({"collect_rollouts_job": {"ops": {"rollouts": {"config": COLLECT}}}}))
@@ -343,6 +344,20 @@ def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_co
     assert base.job_name == "base_policy_job"
     # a collected batch whose round has not run yet: wait for it
     key = world.collect()
+    assert tick(3).skip_message == f"waiting for the round of {key}"
+    # the same batch re-scored so that every trajectory gets the same reward: no group varies, the
+    # training sensor declines it (nothing to train on), and the loop collects another batch from
+    # the same champion instead of waiting for a round that will not come; up to a limit
+    flat = {"ops": {"rewards": {"config": {"outcome": 0.0, "tool_success": 0.0, "verify": 0.0, "step_penalty": 0.0,
+                                           "custom": {"*": ["tests.data_plane.test_assets:constant_reward"]}}}}}  # fmt: skip
+    assert world.run("log_batch_job", partition_key=key, run_config=flat).success
+    assert key not in world.training_requests()
+    (again,) = tick(3).run_requests
+    assert again.job_name == "collect_rollouts_job"
+    monkeypatch.setattr(self_play, "MAX_NO_SIGNAL_BATCHES", 1)
+    assert tick(3).skip_message.startswith("the last 1 batches of flowopt:spell_backward had no group with a varied reward")
+    # scored as before, the batch is the loop's again (later tests train on other batches)
+    assert world.run("log_batch_job", partition_key=key).success
     assert tick(3).skip_message == f"waiting for the round of {key}"
 
 
