@@ -167,12 +167,15 @@ def test_without_an_upstream_a_prompt_champion_gets_no_round_and_a_lora_champion
     lake = TrajectoryLake(root=str(tmp_path / "lake"))
     record = {"trajectory_id": "t1", "task_id": "calculator-1+1", "agent_id": TaskSourceResource(kind="calculator").agent_id, "query": "1+1",
               "steps": [{"index": 0, "kind": "answer", "output": "2"}], "final_answer": "2", "outcome": {"success": True, "score": 1.0}}  # fmt: skip
+    # a second rollout of the task that failed: the group has a varied reward (something to train on)
+    failed = {**record, "trajectory_id": "t2", "final_answer": "3", "steps": [{"index": 0, "kind": "answer", "output": "3"}],
+              "outcome": {"success": False, "score": 0.0}}  # fmt: skip
     (tmp_path / "landing").mkdir()
-    (tmp_path / "landing" / "b.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "landing" / "b.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(failed) + "\n")
     with instance_for_test() as instance:
         tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
         assert tick.succeeded, tick.failed
-        assert lake.read_partition("trajectories", tick.succeeded[0]).height == 1  # not quarantined
+        assert lake.read_partition("trajectories", tick.succeeded[0]).height == 2  # not quarantined
         assert tick_sensor(defs, instance, "training_round_sensor").run_requests == []
         # the same batch under a LoRA champion: a LoRA round (the cursor forgotten)
         registry.promote("v1", str(models / "adapters" / "v1"), {}, by="test", reason="an adapter", action="register")
