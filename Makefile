@@ -31,8 +31,9 @@ LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 # the suite in one process per core, a test file per worker (its module fixtures built once);
 # most of the suite's time is waiting on daemons, servers and subprocesses, not CPU
-# (docs/development.md). PYTEST_PARALLEL= runs it in one process.
-PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile
+# (docs/development.md). The slowest files go first, in tests/conftest.py's order (xdist's own
+# reorders files by their number of tests). PYTEST_PARALLEL= runs it in one process.
+PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile --no-loadscope-reorder
 
 .PHONY: install install-bfcl install-bfcl-cli bfcl-entry-point demo demo-real demo-bfcl demo-logs demo-text demo-prompt test ui bench clean
 

@@ -178,9 +178,9 @@ def test_scale_out_quick_times_the_collection_and_update_in_process_and_on_ray_w
     # the driver, its local cluster and the worker group come on top of rank 0's own training
     assert ray["overhead_s"]["median"] == pytest.approx(ray["wall_s"]["median"] - ray["training_s"]["median"])
     assert ray["overhead_s"]["median"] > 0
-    collected = result["collection"]  # the same 16 rollouts landed in process and through a driver with 2 gateway replicas
-    assert collected["rollouts"] == 16 and set(collected) == {"rollouts", "in_process", "ray_2"}
-    assert positive(collected["in_process"]["median"]) and positive(collected["ray_2"]["median"])
+    collected = result["collection"]  # 16 rollouts landed in process (a quick run starts no second cluster to collect)
+    assert collected["rollouts"] == 16 and set(collected) == {"rollouts", "in_process"}
+    assert positive(collected["in_process"]["median"])
     assert_headline(result)
 
 

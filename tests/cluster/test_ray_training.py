@@ -64,7 +64,7 @@ def _same_update(reference, result, ref_weights, weights, lr: float) -> float:
     return max(float((ref_weights[k] - w).abs().max()) for k, w in weights.items())
 
 
-def test_two_ray_workers_give_the_in_process_update_and_a_killed_worker_resumes(cluster, fresh_policy_dir, tmp_path):
+def test_two_ray_workers_with_one_killed_and_resumed_give_the_in_process_update(cluster, fresh_policy_dir, tmp_path):
     from flow_assets.cluster.ray_training import run_driver
     from flow_assets.policy.lora import save_lora_adapter
 
@@ -77,14 +77,12 @@ def test_two_ray_workers_give_the_in_process_update_and_a_killed_worker_resumes(
     ref_weights = _weights(save_lora_adapter(model, tmp_path / "local-adapter"))
     assert reference.final_step == 4 and ref_weights
 
-    # (one Ray worker gave the in-process adapter bit for bit when measured; not repeated here, a
-    # driver and its workers cost ~20 s on this machine)
-    two, two_dir = run_driver(store, adapter, samples, _config(tmp_path / "two"), 2, tmp_path / "two-out", address=cluster)
-    gap = _same_update(reference, two, ref_weights, _weights(two_dir), 1e-2)
-    print(f"largest adapter element difference, 2 Ray workers vs one process, after 4 steps (lr 1e-2): {gap:.3g}")
-
-    # rank 1 is SIGKILLed after its step 2, once rank 0 has checkpointed that step: Ray Train
-    # starts a new worker group, which resumes from checkpoint-2
+    # two workers, rank 1 SIGKILLed after its step 2 once rank 0 has checkpointed that step: Ray
+    # Train starts a new worker group, which resumes from checkpoint-2. Measured: one Ray worker
+    # gave the in-process adapter bit for bit, two without a kill the same steps as in process, and
+    # a killed run the same adapter as the unkilled one bit for bit; here the killed run alone is
+    # compared with the reference (a driver and its workers cost ~20 s of both cores), which a
+    # lost or doubled micro-batch or an optimizer state restored wrong fails (_same_update)
     marker = tmp_path / "killed-once"
     checkpoint = tmp_path / "killed" / "checkpoint-2" / "trainer_state.json"
 
@@ -100,8 +98,8 @@ def test_two_ray_workers_give_the_in_process_update_and_a_killed_worker_resumes(
                                     max_failures=1, on_step=kill_rank_1_at_step_2)  # fmt: skip
     assert marker.exists(), "the fault was not injected"
     assert killed.resumed_from == 2 and [m.step for m in killed.steps] == [1, 2, 3, 4]  # none lost, none twice
-    # the same workers, the same restored optimizer state and the same minibatches: bit-identical
-    assert _same_update(two, killed, _weights(two_dir), _weights(killed_dir), 1e-2) == 0.0
+    gap = _same_update(reference, killed, ref_weights, _weights(killed_dir), 1e-2)
+    print(f"largest adapter element difference, 2 Ray workers (one killed and resumed) vs one process, after 4 steps (lr 1e-2): {gap:.3g}")
 
 
 def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_in_process(cluster, calculator_policy_dir, tmp_path):
