@@ -11,8 +11,9 @@ left. This sensor starts each step of that loop, one at a time:
    round: wait;
 3. fewer than ``TrainingLoop.self_play_rounds`` rounds done: request ``collect_rollouts_job``.
 
-A batch in which no group got a varied reward gets no round (``training_round_sensor`` declines
-it: nothing to train on) and does not count as one: the loop collects another batch from the same
+A batch in which no group got a varied reward gets no LoRA round (``training_round_sensor``
+declines it: nothing to train on; a prompt round, where the schedule gives the batch one, still
+runs) and does not count as one: the loop collects another batch from the same
 champion, and stops asking after ``MAX_NO_SIGNAL_BATCHES`` such batches in a row.
 
 Off by default (``self_play_rounds`` 0). Every decision reads the instance (runs, partitions), not
@@ -37,7 +38,7 @@ from resources.registry import AdapterRegistry
 from resources.tasks import TaskSourceResource
 from flow_assets.logs.landing import key_component, key_source
 from sensors.settings import sensor_interval
-from sensors.training import failed_data_checks, no_signal_reason
+from sensors.training import failed_data_checks, next_round_is_adapter, no_signal_reason
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
 FINISHED = [DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED]
@@ -147,7 +148,9 @@ def self_play_sensor(
         return SkipReason("self-play is off (TrainingLoop.self_play_rounds = 0)")
     agent = tasks.agent_id
     agents = list(loop.update_rules(agent))
-    state = loop_state(context.instance, agent, lambda key: no_signal_reason(lake, key, agents) is not None)
+    # a batch with nothing to train on gets no round only when its turn is a LoRA round
+    declines = next_round_is_adapter(context.instance, registry, loop)
+    state = loop_state(context.instance, agent, (lambda key: no_signal_reason(lake, key, agents) is not None) if declines else None)
     if state.in_flight:
         return SkipReason(f"{state.in_flight} run(s) queued or running")
     tags = {AGENT_TAG: agent}

@@ -91,6 +91,15 @@ def trainable_signal(advantages: pl.DataFrame, mine: pl.DataFrame) -> str | None
             f"({groups} groups) have advantage 0, so a round would have nothing to train on")  # fmt: skip
 
 
+def next_round_is_adapter(instance: DagsterInstance, registry: AdapterRegistry, loop: TrainingLoop) -> bool:
+    """Whether the next round this sensor requests is a LoRA round (the only kind that declines a
+    batch with no varied reward; a prompt round learns from the lake's successful flows): the
+    champion's kind and the round schedule at the instance's count of rounds, as in the sensor."""
+    champ = registry.champion()
+    kind = policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
+    return next_round_kind(kind, loop.round_schedule, len(trained_batches(instance))) == "adapter"
+
+
 def no_signal_reason(lake: TrajectoryLake, key: str, agents: list[str]) -> str | None:
     """:func:`trainable_signal` of batch ``key`` for ``agents`` (the trainable agents' ids), from
     its ``trajectories`` and ``advantages`` partitions; None when they are not both materialised.

@@ -327,10 +327,10 @@ def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_co
     config = tmp_path / "run-config.json"
     config.write_text(json.dumps({"collect_rollouts_job": {"ops": {"rollouts": {"config": COLLECT}}}}))
 
-    def tick(rounds: int, models=None):
+    def tick(rounds: int, models=None, schedule=("adapter",)):
         defs = build_definitions(
             str(world.root / "lake"), str(world.root / "landing"), models_root=str(models or world.models),
-            tasks=TaskSourceResource(), loop=TrainingLoop(self_play_rounds=rounds, run_config_path=str(config)),
+            tasks=TaskSourceResource(), loop=TrainingLoop(self_play_rounds=rounds, run_config_path=str(config), round_schedule=list(schedule)),
         )  # fmt: skip
         with build_sensor_context(instance=world.instance, resources=defs.resources) as ctx:
             return defs.resolve_sensor_def("self_play_sensor")(ctx)
@@ -354,6 +354,9 @@ def test_self_play_builds_nothing_twice_waits_for_each_round_and_stops_at_its_co
     assert key not in world.training_requests()
     (again,) = tick(3).run_requests
     assert again.job_name == "collect_rollouts_job"
+    # when the batch's turn is a prompt round (which learns from the lake's successful flows, not
+    # from advantages), it gets that round: the loop waits for it
+    assert tick(3, schedule=("prompt",)).skip_message == f"waiting for the round of {key}"
     monkeypatch.setattr(self_play, "MAX_NO_SIGNAL_BATCHES", 1)
     assert tick(3).skip_message.startswith("the last 1 batches of flowopt:spell_backward had no group with a varied reward")
     # scored as before, the batch is the loop's again (later tests train on other batches)
