@@ -130,6 +130,19 @@ def loop_state(instance, agent_id: str, no_signal: Callable[[str], bool] | None 
     )
 
 
+def gave_up(state: LoopState, agent: str) -> str | None:
+    """Why the self-play loop of ``agent`` stopped asking for collections before its rounds were
+    done (:data:`MAX_NO_SIGNAL_BATCHES` flat batches or :data:`MAX_FAILED_COLLECTIONS` failed
+    collections in a row), or None while it goes on. ``flowopt demo`` asks it too, so that a loop
+    that stopped fails the demo at once instead of at its timeout."""
+    if state.no_signal_in_a_row >= MAX_NO_SIGNAL_BATCHES:
+        return (f"the last {state.no_signal_in_a_row} batches of {agent} had no group with a varied reward; "
+                "its rollouts teach nothing (see training_round_sensor's log)")  # fmt: skip
+    if state.failed_in_a_row >= MAX_FAILED_COLLECTIONS:
+        return f"the last {state.failed_in_a_row} collections of {agent} failed; see their runs"
+    return None
+
+
 @sensor(
     jobs=[base_policy_job, collect_rollouts_job],
     minimum_interval_seconds=sensor_interval(),
@@ -161,11 +174,9 @@ def self_play_sensor(
         return SkipReason(f"done: {state.rounds_done} of {loop.self_play_rounds} rounds of {agent}")
     if state.pending:
         return SkipReason(f"waiting for the round of {state.pending[0]}")
-    if state.no_signal_in_a_row >= MAX_NO_SIGNAL_BATCHES:
-        return SkipReason(f"the last {state.no_signal_in_a_row} batches of {agent} had no group with a varied reward; "
-                          "its rollouts teach nothing (see training_round_sensor's log)")  # fmt: skip
-    if state.failed_in_a_row >= MAX_FAILED_COLLECTIONS:
-        return SkipReason(f"the last {state.failed_in_a_row} collections of {agent} failed; see their runs")
+    stopped = gave_up(state, agent)
+    if stopped is not None:
+        return SkipReason(stopped)
     request = RunRequest(
         run_key=f"self-play:{agent}:collect-{state.collections + 1}",
         job_name=collect_rollouts_job.name,

@@ -86,7 +86,10 @@ def trainable_signal(advantages: pl.DataFrame, mine: pl.DataFrame) -> str | None
     rows = advantages.join(mine.select("trajectory_id"), on="trajectory_id", how="semi").filter(pl.col("advantage").is_not_null())
     if rows.filter(pl.col("advantage") != 0).height:
         return None
-    groups = rows["group_key"].n_unique() if rows.height else 0
+    if not rows.height:
+        return (f"no labelled trajectory of the trainable agents ({mine.height} without an outcome), so no group has an "
+                "advantage and a round would have nothing to train on")  # fmt: skip
+    groups = rows["group_key"].n_unique()
     return (f"no group with a varied reward: all {rows.height} labelled trajectories of the trainable agents "
             f"({groups} groups) have advantage 0, so a round would have nothing to train on")  # fmt: skip
 
@@ -95,9 +98,13 @@ def next_round_is_adapter(instance: DagsterInstance, registry: AdapterRegistry, 
     """Whether the next round this sensor requests is a LoRA round (the only kind that declines a
     batch with no varied reward; a prompt round learns from the lake's successful flows): the
     champion's kind and the round schedule at the instance's count of rounds, as in the sensor."""
-    champ = registry.champion()
-    kind = policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
-    return next_round_kind(kind, loop.round_schedule, len(trained_batches(instance))) == "adapter"
+    return next_round_kind(champion_kind(registry.champion()), loop.round_schedule, len(trained_batches(instance))) == "adapter"
+
+
+def champion_kind(champ: dict | None) -> str:
+    """``"prompt"`` or ``"adapter"``: the kind of policy the registry entry ``champ`` is (no champion
+    yet: ``"adapter"``, the base model's identity adapter comes first)."""
+    return policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
 
 
 def no_signal_reason(lake: TrajectoryLake, key: str, agents: list[str]) -> str | None:
@@ -148,7 +155,7 @@ def training_round_sensor(
     skipped, no_signal = [], []
     windows = ab_windows(registry.load()["history"]) if ready else []
     champ = registry.champion() if ready else None
-    kind = policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
+    kind = champion_kind(champ)
     rules = loop.update_rules(tasks.agent_id)
     for key in sorted(ready):
         failed = failed_data_checks(context.instance, key)

@@ -169,7 +169,9 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
 
     Raises:
         DeploymentError: the daemon died, or nothing progressed for ``timeout`` seconds.
-        RuntimeError: a real log batch, the base policy or a collection failed.
+        RuntimeError: a real log batch, the base policy or a collection failed, or the self-play
+            loop stopped asking for collections before ``phase.rounds`` rounds
+            (:func:`sensors.self_play.gave_up`).
     """
     from dagster import AssetKey, DagsterRunStatus, RunsFilter
 
@@ -177,6 +179,8 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
     from flow_assets.training.rounds import landing_source
     from flow_assets.logs.landing import key_component, key_source
     from flow_assets.core.run_tags import SELF_PLAY_AGENT_TAG as AGENT_TAG
+    from sensors.self_play import gave_up, loop_state
+    from sensors.training import no_signal_reason
 
     agent_id = TaskSourceResource(kind=phase.kind).agent_id
     source = key_component(landing_source(agent_id))
@@ -218,7 +222,14 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
         for k in range(1, phase.rounds + 1):
             def round_done(k=k):
                 runs = [r for r in finished_runs(instance, "training_round_job") if key_source(r.tags.get("dagster/partition", "")) == source]
-                return runs[k - 1] if len(runs) >= k else None
+                if len(runs) >= k:
+                    return runs[k - 1]
+                # a self-play loop that stopped asking (flat batches, failed collections) brings no round: fail now, not at the timeout
+                state = loop_state(instance, agent_id, lambda key: no_signal_reason(lake, key, [agent_id]) is not None)
+                stopped = None if state.in_flight or state.pending else gave_up(state, agent_id)
+                if stopped is not None:
+                    raise RuntimeError(f"self-play stopped before round {k} of {agent_id}: {stopped}")
+                return None
 
             run = wait_until(round_done, daemon, f"round {k} of {agent_id}", timeout)
             line = _round_line(instance, lake, phase, run, k, since)

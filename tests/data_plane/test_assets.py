@@ -214,6 +214,22 @@ def test_a_batch_with_no_group_of_varied_reward_gets_no_training_round(tmp_path,
     assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
 
 
+def test_a_batch_of_trainable_flows_without_outcomes_is_declined_as_unlabelled():
+    """Unlabelled trajectories (no outcome, advantage null) are no signal either, and the reason
+    says so rather than counting zero labelled trajectories; one labelled non-zero advantage among
+    them is enough to train."""
+    from sensors.training import trainable_signal
+
+    mine = pl.DataFrame({"trajectory_id": ["a", "b", "c"]})
+    unlabelled = pl.DataFrame({"trajectory_id": ["a", "b", "c"], "group_key": ["g", "g", "h"], "advantage": [None, None, None]},
+                              schema={"trajectory_id": pl.Utf8, "group_key": pl.Utf8, "advantage": pl.Float64})  # fmt: skip
+    reason = trainable_signal(unlabelled, mine)
+    assert reason is not None and "no labelled trajectory" in reason and "(3 without an outcome)" in reason
+    one = unlabelled.with_columns(pl.when(pl.col("trajectory_id") == "c").then(0.5).otherwise(None).alias("advantage"))
+    assert trainable_signal(one, mine) is None
+    assert trainable_signal(one, mine.filter(pl.col("trajectory_id") != "c")) is not None
+
+
 def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_groups(tmp_path, dagster_instance):
     """Real tau-bench trajectories as canonical JSONL, the outcome removed from every odd task's
     trials (and one line given an empty outcome object): the unlabelled ones are kept, get no
