@@ -79,7 +79,8 @@ def cli_environment(base_url: str, project_root: str | Path) -> dict[str, str]:
     return {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "unused-by-the-gateway", "BFCL_PROJECT_ROOT": str(project_root)}
 
 
-def _json_lines(path: Path) -> list[dict]:
+def _json_lines(path: Path) -> list[tuple[int, dict]]:
+    """The JSON objects of ``path``, one per non-blank line, each with its line number (from 1)."""
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -90,7 +91,7 @@ def _json_lines(path: Path) -> list[dict]:
             raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number}: a JSON object was expected, got {type(row).__name__}")
-        rows.append(row)
+        rows.append((number, row))
     return rows
 
 
@@ -119,18 +120,18 @@ def read_verdicts(project_root: str | Path, categories: Sequence[str]) -> tuple[
     headers: dict[str, dict] = {}
     for category in categories:
         result_path, score_path = _one_file(root, "result", category), _one_file(root, "score", category)
-        results, scores = _json_lines(result_path), _json_lines(score_path)
-        for path, rows in ((result_path, results), (score_path, scores[1:])):
-            for number, row in enumerate(rows, start=1 if path == result_path else 2):
+        numbered_results, numbered_scores = _json_lines(result_path), _json_lines(score_path)
+        for path, rows in ((result_path, numbered_results), (score_path, numbered_scores[1:])):
+            for number, row in rows:
                 if "id" not in row:
                     raise ValueError(f"{path}:{number}: a row without 'id'")
-        if not scores or "accuracy" not in scores[0]:
-            raise ValueError(f"{score_path}:1: no header with 'accuracy'")
-        header = scores[0]
-        wrong = {row["id"] for row in scores[1:]}
-        generated = [row["id"] for row in results]
+        if not numbered_scores or "accuracy" not in numbered_scores[0][1]:
+            raise ValueError(f"{score_path}:{numbered_scores[0][0] if numbered_scores else 1}: no header with 'accuracy'")
+        header_line, header = numbered_scores[0]
+        wrong = {row["id"] for _, row in numbered_scores[1:]}
+        generated = [row["id"] for _, row in numbered_results]
         if header.get("total_count") != len(generated) or header.get("correct_count") != len(generated) - len(wrong & set(generated)):
-            raise ValueError(f"{score_path}:1: counts {header.get('correct_count')} / {header.get('total_count')} disagree with "
+            raise ValueError(f"{score_path}:{header_line}: counts {header.get('correct_count')} / {header.get('total_count')} disagree with "
                              f"{len(generated)} generated ids and {len(wrong)} listed as wrong")  # fmt: skip
         headers[category] = {k: header[k] for k in ("accuracy", "correct_count", "total_count")}
         verdicts.update({i: i not in wrong for i in generated})

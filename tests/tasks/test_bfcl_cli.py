@@ -91,6 +91,10 @@ def test_bfcl_files_that_disagree_or_do_not_parse_are_refused_with_file_and_line
     score.write_text("\n".join([lines[0], json.dumps({"valid": False})]) + "\n")
     with pytest.raises(ValueError, match=r"BFCL_v4_parallel_score.json:2: a row without 'id'"):
         read_verdicts(tmp_path, ["parallel"])
+    # blank lines are skipped, and the error still names the line the row is on
+    score.write_text("\n".join([lines[0], "", "", json.dumps({"valid": False})]) + "\n")
+    with pytest.raises(ValueError, match=r"BFCL_v4_parallel_score.json:4: a row without 'id'"):
+        read_verdicts(tmp_path, ["parallel"])
 
 
 def test_the_comparison_counts_agreement_per_category_and_names_each_disagreement():
