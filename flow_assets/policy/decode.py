@@ -59,6 +59,7 @@ token is forced. So the row ends with its grammar complete whenever a completion
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,18 +218,42 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+#: bytes of prompt-prefix keys and values a :class:`RowDecoder` keeps between admissions (256 MiB:
+#: 5,825 token slots of SmolLM2-135M in float32, six copies of a ~900-token few-shot prefix)
+PREFIX_CACHE_BYTES = 256 * 2**20
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D token id arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 class RowDecoder:
     """A running batch of rows on one model (module docstring). Not thread-safe: one thread adds
     and steps.
+
+    Prefix reuse across admissions: the keys and values of each admission's shared prefix (for a
+    lone prompt: all of it but its last token) are kept, least recently used first out, up to
+    ``prefix_cache_bytes``; a later admission whose prefix starts with one of them (at least
+    :data:`~flow_assets.policy.sampling.MIN_SHARED_PREFIX` tokens) copies those columns and runs
+    only the rest through the model. So a few-shot prompt's demonstrations, which every call of an
+    agent under that prompt repeats, and an agent's earlier turns, which its next call repeats,
+    are computed once, not once per admission (the automatic prefix caching of vLLM, Kwon et al.,
+    SOSP 2023, at the granularity of whole prefixes). The keys and values are those of the same
+    positions computed in one pass, up to float rounding of the matmul shapes. They depend on the
+    weights: a decoder serves one adapter (the batcher makes a new one when it switches).
 
     Args:
         model: a causal LM (plain or PEFT) whose attention layers take transformers' ``cache``
             interface and a 4-D mask (the Llama family: the tiny model, SmolLM2), in eval mode.
         eos_token_id: the token that ends a completion.
         pad_token_id: the id fed at padding positions (masked).
+        prefix_cache_bytes: bytes of prefix keys and values kept between admissions (0: none).
     """
 
-    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         self.model = model
         self.eos = eos_token_id
         self.pad = pad_token_id
@@ -237,6 +262,9 @@ class RowDecoder:
         self.layers = model.config.num_hidden_layers
         self.rows: list[DecodeRow | None] = []
         self.prefill_tokens = 0  # prompt positions run through the model by add() so far, padding included (shared prefixes once)
+        self.prefix_reused = 0  # prompt positions whose keys and values came from an earlier admission's prefix
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self._prefixes: OrderedDict[tuple[int, ...], tuple[np.ndarray, _RowCache]] = OrderedDict()
         self._empty()
 
     def _empty(self) -> None:
@@ -406,9 +434,7 @@ class RowDecoder:
         # every new row needs max_tokens - 1 columns after its prompt (the first token comes from the prefill)
         capacity = length + max(r.max_tokens for r in rows) - 1
         if shared:
-            prefix = _RowCache(self.layers, 0, shared)
-            causal = torch.ones((1, shared, shared), dtype=torch.bool).tril()
-            self._forward(torch.tensor([prompts[0][:shared]]), torch.arange(shared).unsqueeze(0), causal, prefix)
+            prefix = self._prefix(prompts[0][:shared])
             keys = [k.new_zeros((u, k.shape[1], capacity, k.shape[3])) for k in prefix.keys]
             values = [v.new_zeros((u, v.shape[1], capacity, v.shape[3])) for v in prefix.values]
             for full, part in zip(keys + values, prefix.keys + prefix.values):
@@ -425,7 +451,7 @@ class RowDecoder:
         causal = torch.ones((width, width), dtype=torch.bool).tril()  # [q, k]
         allowed = torch.cat([torch.ones((u, width, shared), dtype=torch.bool), causal.unsqueeze(0) & own.unsqueeze(1)], dim=2)
         logits = self._forward(ids, positions, allowed, cache)  # [u, vocab]
-        self.prefill_tokens += shared + u * width
+        self.prefill_tokens += u * width
         valid = torch.zeros((u, capacity), dtype=torch.bool)
         valid[:, :shared] = True
         valid[:, shared:length] = own
@@ -452,6 +478,49 @@ class RowDecoder:
             self._merge([rows[i] for i in keep], cache, valid.index_select(0, index), torch.tensor(tokens)[index],
                         torch.tensor([len(rows[i].prompt_ids) for i in keep]), states[keep])  # fmt: skip
         return done
+
+    def _prefix(self, ids: list[int]) -> _RowCache:
+        """The keys and values of ``ids`` at positions ``0 .. len - 1`` (one row), reusing the
+        longest kept prefix of them (class docstring); kept for later admissions."""
+        want = np.asarray(ids, dtype=np.int64)
+        reuse, best = 0, None
+        for key, (tokens, _) in self._prefixes.items():
+            m = common_prefix(tokens, want)
+            if m > reuse:
+                reuse, best = m, key
+        reuse = reuse if reuse >= MIN_SHARED_PREFIX else 0
+        cache = _RowCache(self.layers, 0, len(ids))
+        if reuse:
+            self._prefixes.move_to_end(best)
+            kept = self._prefixes[best][1]
+            for ours, theirs in ((cache.keys, kept.keys), (cache.values, kept.values)):
+                for layer, x in enumerate(theirs):
+                    ours[layer] = x.new_zeros((1, x.shape[1], len(ids), x.shape[3]))
+                    ours[layer][:, :, :reuse] = x[:, :, :reuse]
+            cache.length = reuse
+            self.prefix_reused += reuse
+        if reuse < len(ids):
+            q = len(ids) - reuse
+            allowed = torch.cat([torch.ones((1, q, reuse), dtype=torch.bool), torch.ones((1, q, q), dtype=torch.bool).tril()], dim=2)
+            self._forward(torch.tensor([ids[reuse:]]), torch.arange(reuse, len(ids)).unsqueeze(0), allowed, cache)
+            self.prefill_tokens += q
+        self._keep_prefix(tuple(ids), want, cache)
+        return cache
+
+    def _keep_prefix(self, key: tuple[int, ...], tokens: np.ndarray, cache: _RowCache) -> None:
+        """Keep ``cache`` (the keys and values of ``tokens``, never written again) for later
+        admissions; drop the kept prefixes it extends (it serves whatever they served) and the least
+        recently used beyond :attr:`prefix_cache_bytes`."""
+        size = len(tokens) * self.token_bytes
+        if size > self.prefix_cache_bytes:
+            return
+        for old in [k for k, (t, _) in self._prefixes.items() if len(t) <= len(tokens) and common_prefix(t, tokens) == len(t)]:
+            del self._prefixes[old]
+        self._prefixes[key] = (tokens, cache)
+        total = sum(len(t) for t, _ in self._prefixes.values()) * self.token_bytes
+        while total > self.prefix_cache_bytes:
+            _, (t, _) = self._prefixes.popitem(last=False)
+            total -= len(t) * self.token_bytes
 
     def _merge(self, rows, cache: _RowCache, valid, last, positions, states) -> None:
         """Join prefilled ``rows`` (their cache right-aligned at ``cache.length``) to the batch.
@@ -482,9 +551,13 @@ class RowDecoder:
             for layer in range(len(ours)):
                 x, y = ours[layer], theirs[layer]
                 ours[layer] = theirs[layer] = None
-                z = x.new_zeros((a + b, x.shape[1], capacity, x.shape[3]))
+                # left padding must be finite (a masked NaN key still makes its row's softmax NaN);
+                # the columns after ``length`` are written by the steps before any step reads them
+                z = x.new_empty((a + b, x.shape[1], capacity, x.shape[3]))
                 part = x[:, :, start : old.length]
+                z[:a, :, : length - kept] = 0
                 z[:a, :, length - kept : length] = part if every else part.index_select(0, index)
+                z[a:, :, : length - cache.length] = 0
                 z[a:, :, length - cache.length : length] = y[:, :, : cache.length]
                 out.append(z)
                 del x, y, part

@@ -98,6 +98,36 @@ def _request(engine, text, adapter, **settings):
     return GenerationRequest(adapter, ids, settings.pop("n", 1), settings.pop("temperature", 1.0), 1.0, settings.pop("max_tokens", 16), **settings)
 
 
+def test_an_identity_adapter_is_served_without_its_lora_layers_and_samples_the_same(fresh_policy_dir, tmp_path):
+    """v0 of a fresh policy (every lora_B zero) is served with its LoRA layers skipped, which
+    changes no log-prob; switching to an adapter that changes the outputs turns them back on."""
+    from flow_assets.policy.lora import save_lora_adapter
+    from flow_assets.policy.chat import render_prompt
+
+    engine = PolicyEngine(fresh_policy_dir / "base")
+    identity = str(fresh_policy_dir / "adapters" / "v0")
+    _, ids = render_prompt(engine.tokenizer, [{"role": "user", "content": "12*34"}])
+    config = SamplingConfig(num_samples=2, temperature=1.0, max_new_tokens=12, seed=3)
+    skipped = engine.generate(identity, [ids], config)
+    assert engine.model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
+    engine.model.base_model.enable_adapter_layers()  # the same adapter through its LoRA layers
+    through = engine._sample_token_ids(engine.model, engine.tokenizer, [ids], config)
+    assert [r.completion_ids for r in skipped] == [r.completion_ids for r in through]
+    assert [r.logprobs for r in skipped] == [r.logprobs for r in through]  # B A x is exactly 0
+    trained = load_policy(fresh_policy_dir / "base")[0]
+    trained = add_lora_adapter(trained, LoraAdapterConfig(rank=4, seed=1))
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    save_lora_adapter(trained, tmp_path / "trained")
+    changed = engine.generate(str(tmp_path / "trained"), [ids], config)
+    assert not engine.model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
+    assert [r.logprobs for r in changed] != [r.logprobs for r in skipped]
+    engine.generate(identity, [ids], config)  # back to v0: skipped again
+    assert engine.model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters
+
+
 def test_the_batcher_admits_calls_into_the_running_batch_and_seeds_are_reproducible(engine, fresh_policy_dir):
     adapter = str(fresh_policy_dir / "adapters" / "v0")
     batcher = ContinuousBatcher(engine.activate, engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id, engine.max_positions)
@@ -234,6 +264,48 @@ def test_rows_with_the_same_prompt_are_prefilled_once_and_sample_what_they_would
             alone.step()
         assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     assert together[0].tokens != together[2].tokens  # the same prompt, other streams: other samples
+
+
+def test_a_prefix_computed_in_one_admission_is_reused_by_later_ones_with_the_same_samples(policy):
+    """A later admission whose prompt starts with an earlier one's (a few-shot prefix, an agent's
+    next turn) copies those keys and values instead of computing them, and samples what a decoder
+    without kept prefixes samples; the kept prefixes stay within their byte budget."""
+    model, tok = policy
+    prompts = _prompts(tok)
+    first = DecodeRow(prompts[0], 0.8, 0.95, 12, row_streams(5, 1)[0])
+    later = [DecodeRow(prompts[1], 0.8, 0.95, 12, row_streams(6, 1)[0])]
+
+    def run(decoder, rows):
+        decoder.add(rows)
+        while decoder.size:
+            decoder.step()
+
+    decoder = RowDecoder(model, tok.eos_token_id, tok.pad_token_id)
+    run(decoder, [first])
+    assert decoder.prefix_reused == 0
+    run(decoder, later)
+    common = len(tok(PREFIX)["input_ids"]) - 1  # the tokenizer may merge PREFIX's last token with the question's
+    assert decoder.prefix_reused >= common >= 16
+    # the next turn: the first call's prompt and completion, then more
+    turn = prompts[0] + first.tokens + tok(" and then=")["input_ids"]
+    later.append(DecodeRow(turn, 0.8, 0.95, 12, row_streams(7, 1)[0]))
+    before = decoder.prefix_reused
+    run(decoder, later[1:])
+    assert decoder.prefix_reused - before == len(prompts[0]) - 1  # all of the first prompt but the token fed last time
+    for row in later:
+        fresh = DecodeRow(row.prompt_ids, 0.8, 0.95, 12, row.stream)
+        run(RowDecoder(model, tok.eos_token_id, tok.pad_token_id, prefix_cache_bytes=0), [fresh])
+        assert row.tokens == fresh.tokens and row.logprobs == pytest.approx(fresh.logprobs, abs=1e-5)
+    # a budget for one prompt's prefix keeps only the most recent one
+    a, b = prompts[4], tok("zzzz zzzz zzzz zzzz zzzz zzzz zzzz zzzz")["input_ids"]
+    small = RowDecoder(model, tok.eos_token_id, tok.pad_token_id, prefix_cache_bytes=max(len(a), len(b)) * decoder.token_bytes)
+    for p in (a, b):
+        run(small, [DecodeRow(p, 0.0, 1.0, 2, 0)])
+    assert list(small._prefixes) == [tuple(b[:-1])]
+    none = RowDecoder(model, tok.eos_token_id, tok.pad_token_id, prefix_cache_bytes=0)
+    run(none, [DecodeRow(prompts[0], 0.0, 1.0, 2, 0)])
+    run(none, [DecodeRow(prompts[1], 0.0, 1.0, 2, 0)])
+    assert none.prefix_reused == 0
 
 
 def test_length_buckets_keep_every_row_once_and_bound_the_padding():

@@ -121,6 +121,15 @@ class AdapterResolver:
         raise UnknownModelError(f"The model '{name}' does not exist; this gateway serves: {served}")
 
 
+def _is_identity(model, name: str) -> bool:
+    """Whether the LoRA adapter ``name`` of the PEFT ``model`` adds nothing: every ``lora_B``
+    weight is zero, so ``B A x`` is exactly 0 (Hu et al. 2021 initialise ``B`` so)."""
+    import torch
+
+    weights = [p for n, p in model.named_parameters() if f".lora_B.{name}." in n]
+    return bool(weights) and all(not torch.any(w) for w in weights)
+
+
 class PolicyEngine:
     """The base model with its adapters, sampled from token ids (not thread-safe: the gateway
     calls it from its one batching thread).
@@ -183,6 +192,7 @@ class PolicyEngine:
         self.chat = chat or chat_format(self.tokenizer)
         self.max_adapters = max_adapters
         self._loaded: dict[str, str] = {}  # adapter path -> PEFT adapter name, least recently used first
+        self._identity: set[str] = set()  # names of loaded adapters whose lora_B weights are all zero
         self._counter = 0
 
     @property
@@ -211,10 +221,20 @@ class PolicyEngine:
             else:
                 self.model.load_adapter(path, adapter_name=name, is_trainable=False)
             self._loaded[path] = name
+            if _is_identity(self.model, name):
+                self._identity.add(name)
             if len(self._loaded) > self.max_adapters:
-                oldest_path = next(iter(self._loaded))
-                self.model.delete_adapter(self._loaded.pop(oldest_path))
-        self.model.set_adapter(self._loaded[path])
+                oldest = self._loaded.pop(next(iter(self._loaded)))
+                self.model.delete_adapter(oldest)
+                self._identity.discard(oldest)
+        name = self._loaded[path]
+        self.model.set_adapter(name)
+        # an identity adapter (every lora_B zero, e.g. v0 of a fresh policy, the base model as it is)
+        # adds exactly 0: its layers are skipped, which saves the LoRA matmuls of every forward
+        if name in self._identity:
+            self.model.base_model.disable_adapter_layers()
+        else:
+            self.model.base_model.enable_adapter_layers()
         return self.model
 
     def generate(
