@@ -122,12 +122,16 @@ class AdapterResolver:
 
 
 def _is_identity(model, name: str) -> bool:
-    """Whether the LoRA adapter ``name`` of the PEFT ``model`` adds nothing: every ``lora_B``
-    weight is zero, so ``B A x`` is exactly 0 (Hu et al. 2021 initialise ``B`` so)."""
+    """Whether the LoRA adapter ``name`` of the PEFT ``model`` adds nothing: it holds only
+    ``lora_A`` / ``lora_B`` weights (no DoRA magnitudes, biases or ``modules_to_save`` copies,
+    which act even when ``B`` is zero) and every ``lora_B`` weight is zero, so ``B A x`` is
+    exactly 0 (Hu et al. 2021 initialise ``B`` so)."""
     import torch
 
-    weights = [p for n, p in model.named_parameters() if f".lora_B.{name}." in n]
-    return bool(weights) and all(not torch.any(w) for w in weights)
+    mine = [(n, p) for n, p in model.named_parameters() if f".{name}." in n or n.endswith(f".{name}")]
+    b = [p for n, p in mine if f".lora_B.{name}." in n]
+    plain = all(f".lora_A.{name}." in n or f".lora_B.{name}." in n for n, _ in mine)
+    return bool(b) and plain and all(not torch.any(w) for w in b)
 
 
 class PolicyEngine:
