@@ -50,6 +50,15 @@ def _flows(directory: Path) -> list[Trajectory]:
     return [Trajectory.model_validate_json(line) for p in sorted(directory.rglob("*.jsonl")) for line in p.read_text().splitlines()]
 
 
+def _everything_text(root: Path) -> str:
+    """Every file under ``root`` as text, Parquet files as their rows (their pages are compressed)."""
+    parts = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            parts.append(pl.read_parquet(p).write_ndjson() if p.suffix == ".parquet" else p.read_text(errors="replace"))
+    return "".join(parts)
+
+
 def _gate_check(instance):
     found = instance.event_log_storage.get_latest_asset_check_execution_by_key([AssetCheckKey(AssetKey("prompt_evaluation"), "prompt_gate")])
     return next(iter(found.values())).evaluation
@@ -87,7 +96,8 @@ def test_a_batch_of_text_flows_under_a_prompt_champion_gets_a_gated_prompt_round
                                  batch="prompt-0001", config=HarnessConfig(32, 600.0, "policy", 1.0)))  # fmt: skip
     batch_flows = _flows(landing)
     assert len(batch_flows) == 32 and all(f.metadata["capture"] == "text" for f in batch_flows)
-    with instance_for_test() as instance:
+    (tmp_path / "dagster_home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
         tick = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor"))
         (key,) = tick.succeeded
         # the champion is a prompt policy: the same sensor asks for a prompt round, not a LoRA round
@@ -157,6 +167,11 @@ def test_a_batch_of_text_flows_under_a_prompt_champion_gets_a_gated_prompt_round
         capped = run_job(defs, instance, "prompt_round_job", key,
                          {"ops": {n: {"config": ROUND | {"max_round_tokens": 1}} for n in ("prompt_candidate", "prompt_evaluation")}})  # fmt: skip
         assert not capped.success and "budget is 1" in failure(capped) and registry.champion()["version"] == before
+    # neither key is anywhere the round wrote: landing, lake (its tables read back, Parquet being
+    # compressed), models, registry, the instance's runs and event log (SQLite, plain text)
+    written = _everything_text(tmp_path)
+    assert "prompt_round_job" in written and batch_flows[0].trajectory_id in written  # the scan reads what it should
+    assert KEY not in written and REFLECTION_KEY not in written
 
 
 def test_without_an_upstream_a_prompt_champion_gets_no_round_and_a_lora_champion_its_usual_one(tmp_path):
