@@ -11,7 +11,8 @@ served while a live A/B ran (:func:`flow_assets.live_ab.evidence.ab_windows`) ar
 and are not trained on. Batches
 of other agents (e.g. the tau-bench or FireAct logs, unless a source names them) stop after ``advantages``. A batch
 whose trainable trajectories all have advantage 0 (every group's rollouts got the same reward) gets no
-LoRA round: it would make no optimizer step (:func:`trainable_signal`); the sensor logs why. Rounds run one at
+LoRA round: it would make no optimizer step (:func:`trainable_signal`); the sensor logs why, and looks at
+the batch again once its ``advantages`` are materialised anew (re-scored with other rewards). Rounds run one at
 a time (pool ``training``), so each starts from the champion the previous round left.
 
 The champion's kind and the round schedule decide the round's kind (one change per round, so
@@ -36,6 +37,7 @@ import json
 import polars as pl
 from dagster import (
     AssetKey,
+    AssetRecordsFilter,
     DagsterRunStatus,
     RunsFilter,
     DagsterInstance,
@@ -107,6 +109,23 @@ def champion_kind(champ: dict | None) -> str:
     return policy_kind(champ["adapter_path"]) if champ is not None else "adapter"
 
 
+def advantages_version(instance: DagsterInstance, key: str) -> int | None:
+    """The storage id of the latest ``advantages`` materialisation of batch ``key`` (it grows with
+    every new one), or None when there is none."""
+    records = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey("advantages"), asset_partitions=[key]), limit=1).records
+    return records[0].storage_id if records else None
+
+
+def read_cursor(cursor: str | None) -> tuple[set[str], dict[str, int | None]]:
+    """``training_round_sensor``'s cursor: the batches decided, and of them those declined for want
+    of signal with the :func:`advantages_version` they were declined at (a cursor written before
+    declines were recorded, a plain list, has none)."""
+    data = json.loads(cursor) if cursor else []
+    if isinstance(data, list):
+        return set(data), {}
+    return set(data["decided"]), dict(data["declined"])
+
+
 def no_signal_reason(lake: TrajectoryLake, key: str, agents: list[str]) -> str | None:
     """:func:`trainable_signal` of batch ``key`` for ``agents`` (the trainable agents' ids), from
     its ``trajectories`` and ``advantages`` partitions; None when they are not both materialised.
@@ -141,7 +160,12 @@ def training_round_sensor(
     """Requests one round per new batch of trainable flows: ``training_round_job``, or
     ``prompt_round_job`` while the champion is a prompt policy or the round schedule gives the
     turn to the prompt (cursor: the batches already decided, trainable or not)."""
-    decided: set[str] = set(json.loads(context.cursor) if context.cursor else [])
+    decided, declined = read_cursor(context.cursor)
+    # a declined batch whose advantages were materialised again (other rewards) is looked at again
+    for key, version in list(declined.items()):
+        if advantages_version(context.instance, key) != version:
+            decided.discard(key)
+            del declined[key]
     done = trained_batches(context.instance)
     decided |= done
     rounds_so_far = len(done)
@@ -180,9 +204,10 @@ def training_round_sensor(
         if round_kind == "adapter":
             signal = trainable_signal(lake.read_partition("advantages", key), mine)
             if signal is not None:
-                context.log.info(f"batch {key}: {signal}; no training round")
+                context.log.info(f"batch {key}: {signal}; no training round (until its advantages are materialised again)")
                 trainable, round_kind = False, None
                 no_signal.append(key)
+                declined[key] = advantages_version(context.instance, key)
         rounds_so_far += trainable
         if round_kind == "prompt":
             requests.append(RunRequest(run_key=f"prompt:{key}", partition_key=key, run_config=loop.run_config(prompt_round_job.name),
@@ -191,7 +216,7 @@ def training_round_sensor(
             requests.append(RunRequest(run_key=f"train:{key}", partition_key=key, run_config=run_config, job_name=training_round_job.name))
         else:
             skipped.append(key)
-    cursor = json.dumps(sorted(decided))
+    cursor = json.dumps({"decided": sorted(decided), "declined": dict(sorted(declined.items()))})
     if not requests:
         reason = f"no new batch of {tasks.agent_id}" + (f"; {len(skipped)} other batches stop after advantages" if skipped else "")
         reason += f" ({len(no_signal)} of them: no group with a varied reward)" if no_signal else ""

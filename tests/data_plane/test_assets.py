@@ -1,5 +1,6 @@
 """The data plane on a real Dagster instance and the real tau-bench log, through the sensor path."""
 
+import json
 import shutil
 
 import polars as pl
@@ -207,11 +208,16 @@ def test_a_batch_with_no_group_of_varied_reward_gets_no_training_round(tmp_path,
     mine = lake.read_partition("trajectories", key)
     reason = trainable_signal(lake.read_partition("advantages", key), mine)
     assert reason is not None and f"all {mine.height} labelled trajectories" in reason
-    assert tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests == []
+    declined = tick_sensor(defs, dagster_instance, "training_round_sensor")
+    assert declined.run_requests == []
+    again = tick_sensor(defs, dagster_instance, "training_round_sensor", declined.cursor)
+    assert again.run_requests == [] and again.cursor == declined.cursor  # the same advantages: still declined
+    # re-scored with the default rewards: the sensor, keeping its cursor, sees the new advantages and offers the batch
     assert run_job(defs, dagster_instance, "log_batch_job", key).success
     assert trainable_signal(lake.read_partition("advantages", key), mine) is None
-    # the sensor's cursor had declined the batch: a fresh evaluation (no cursor) sees it again
-    assert [r.partition_key for r in tick_sensor(defs, dagster_instance, "training_round_sensor").run_requests] == [key]
+    offered = tick_sensor(defs, dagster_instance, "training_round_sensor", again.cursor)
+    assert [r.partition_key for r in offered.run_requests] == [key]
+    assert tick_sensor(defs, dagster_instance, "training_round_sensor", offered.cursor).run_requests == []  # requested once
 
 
 def test_a_batch_of_trainable_flows_without_outcomes_is_declined_as_unlabelled():
@@ -228,6 +234,16 @@ def test_a_batch_of_trainable_flows_without_outcomes_is_declined_as_unlabelled()
     one = unlabelled.with_columns(pl.when(pl.col("trajectory_id") == "c").then(0.5).otherwise(None).alias("advantage"))
     assert trainable_signal(one, mine) is None
     assert trainable_signal(one, mine.filter(pl.col("trajectory_id") != "c")) is not None
+
+
+def test_the_training_sensors_cursor_of_an_earlier_version_still_reads():
+    """A cursor written before declines were recorded (a plain list of decided batches) reads as
+    those batches decided and none declined."""
+    from sensors.training import read_cursor
+
+    assert read_cursor(None) == (set(), {})
+    assert read_cursor(json.dumps(["a", "b"])) == ({"a", "b"}, {})
+    assert read_cursor(json.dumps({"decided": ["a", "b"], "declined": {"b": 17}})) == ({"a", "b"}, {"b": 17})
 
 
 def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_groups(tmp_path, dagster_instance):
