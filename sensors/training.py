@@ -116,6 +116,33 @@ def advantages_version(instance: DagsterInstance, key: str) -> int | None:
     return records[0].storage_id if records else None
 
 
+def rematerialised(instance: DagsterInstance, declined: dict[str, int | None], page: int = 1000) -> set[str]:
+    """The batches of ``declined`` (partition key -> the :func:`advantages_version` it was declined
+    at, None if it had none) whose ``advantages`` were materialised again since.
+
+    One query for all of them, however many there are: the declined partitions' ``advantages``
+    records after the oldest recorded storage id, read in pages of ``page`` records (the sensor
+    runs every few seconds, and declined batches stay in its cursor until they are re-scored)."""
+    if not declined:
+        return set()
+    known = [version for version in declined.values() if version is not None]
+    after = min(known) if len(known) == len(declined) else None
+    changed: set[str] = set()
+    cursor = None
+    while True:
+        result = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("advantages"), asset_partitions=sorted(declined), after_storage_id=after),
+            limit=page, cursor=cursor,
+        )  # fmt: skip
+        for record in result.records:
+            key = record.partition_key
+            if key in declined and (declined[key] is None or record.storage_id > declined[key]):
+                changed.add(key)
+        if not result.has_more:
+            return changed
+        cursor = result.cursor
+
+
 def read_cursor(cursor: str | None) -> tuple[set[str], dict[str, int | None]]:
     """``training_round_sensor``'s cursor: the batches decided, and of them those declined for want
     of signal with the :func:`advantages_version` they were declined at (a cursor written before
@@ -162,10 +189,9 @@ def training_round_sensor(
     turn to the prompt (cursor: the batches already decided, trainable or not)."""
     decided, declined = read_cursor(context.cursor)
     # a declined batch whose advantages were materialised again (other rewards) is looked at again
-    for key, version in list(declined.items()):
-        if advantages_version(context.instance, key) != version:
-            decided.discard(key)
-            del declined[key]
+    for key in rematerialised(context.instance, declined):
+        decided.discard(key)
+        del declined[key]
     done = trained_batches(context.instance)
     decided |= done
     rounds_so_far = len(done)

@@ -224,7 +224,10 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
                 runs = [r for r in finished_runs(instance, "training_round_job") if key_source(r.tags.get("dagster/partition", "")) == source]
                 if len(runs) >= k:
                     return runs[k - 1]
-                # a self-play loop that stopped asking (flat batches, failed collections) brings no round: fail now, not at the timeout
+                # a self-play loop that stopped asking (flat batches, failed collections) brings no round: fail now, not at the
+                # timeout. It can only have stopped while no run is in flight; that one query spares the lake reads of each poll.
+                if runs_in_flight(instance):
+                    return None
                 state = loop_state(instance, agent_id, lambda key: no_signal_reason(lake, key, [agent_id]) is not None)
                 stopped = None if state.in_flight or state.pending else gave_up(state, agent_id)
                 if stopped is not None:

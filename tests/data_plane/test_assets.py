@@ -246,6 +246,35 @@ def test_the_training_sensors_cursor_of_an_earlier_version_still_reads():
     assert read_cursor(json.dumps({"decided": ["a", "b"], "declined": {"b": 17}})) == ({"a", "b"}, {"b": 17})
 
 
+def test_declined_batches_rematerialised_are_found_in_one_paged_query(dagster_instance):
+    """``rematerialised`` names exactly the declined batches whose ``advantages`` got a record after
+    the one they were declined at (a batch declined before any record: after any), whatever other
+    partitions were materialised meanwhile, across pages."""
+    from dagster import AssetMaterialization
+
+    from sensors.training import advantages_version, rematerialised
+
+    def materialise(*keys):
+        for key in keys:
+            dagster_instance.report_runless_asset_event(AssetMaterialization(asset_key="advantages", partition=key))
+
+    dagster_instance.add_dynamic_partitions("log_batches", ["a", "b", "c", "d", "e"])
+    materialise("a", "b", "c")
+    declined = {"a": advantages_version(dagster_instance, "a"), "b": advantages_version(dagster_instance, "b"), "e": None}
+    assert declined["a"] < declined["b"]
+    assert rematerialised(dagster_instance, {}) == set()
+    assert rematerialised(dagster_instance, declined, page=2) == set()
+    materialise("c", "d", "d", "c", "d")  # other batches only
+    assert rematerialised(dagster_instance, declined, page=2) == set()
+    materialise("b", "c", "d", "d")
+    assert rematerialised(dagster_instance, declined, page=2) == {"b"}
+    materialise("e")
+    assert rematerialised(dagster_instance, declined, page=2) == {"b", "e"}
+    assert rematerialised(dagster_instance, declined, page=1000) == {"b", "e"}
+    materialise("a")
+    assert rematerialised(dagster_instance, declined, page=1) == {"a", "b", "e"}
+
+
 def test_unlabelled_trajectories_are_stored_without_reward_and_stay_out_of_the_groups(tmp_path, dagster_instance):
     """Real tau-bench trajectories as canonical JSONL, the outcome removed from every odd task's
     trials (and one line given an empty outcome object): the unlabelled ones are kept, get no
