@@ -230,6 +230,12 @@ class GRPOTrainerConfig:
         "recompute each layer's activations in the backward pass instead of keeping them (TRL's and "
         "transformers' name): memory grows with one layer instead of all, for about a third more compute; "
         "for long rows (a packed tau-bench conversation of ~5,500 SmolLM2 tokens took over 20 GB without it).")})
+    bf16: bool = field(default=False, metadata={"description": (
+        "mixed precision for the ``\"awr\"`` update rule only, as transformers' ``TrainingArguments.bf16``: the "
+        "policy's (and the KL reference's) forward and backward under ``torch.autocast`` in bfloat16; weights, "
+        "gradients, optimizer state and the log-softmax stay float32. Refused by the trainer under ``\"grpo\"``: its "
+        "importance ratio divides by behaviour log-probs computed in float32 at sampling, and both sides of a ratio "
+        "must come from the same numerics.")})
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig, metadata={"description": (
         "the GRPO surrogate's settings (clip ranges, KL weight ``beta``, ``loss_type``).")})
     update_rule: Literal["grpo", "awr"] = field(default="grpo", metadata={"description": (

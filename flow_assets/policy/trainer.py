@@ -164,7 +164,7 @@ class GRPORoundTrainer:
         TypeError: if ``model`` is not a ``PeftModel``.
         ValueError: if a sample is malformed (empty prompt, behaviour log-probs of the wrong length),
             the model has no trainable parameters, or the config is invalid (sizes < 1, unknown
-            ``best_metric``).
+            ``best_metric``, ``bf16`` under the ``"grpo"`` update rule).
     """
 
     def __init__(
@@ -189,6 +189,9 @@ class GRPORoundTrainer:
             raise ValueError("minibatch_size, num_iterations, save_steps and keep_best must be >= 1")
         if c.micro_batch_size is not None and c.micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1 (or None)")
+        if c.bf16 and c.update_rule != "awr":
+            raise ValueError("bf16 is for the 'awr' update rule only: the GRPO ratio divides by behaviour log-probs computed in "
+                             "float32 at sampling, and both sides of a ratio must come from the same numerics")  # fmt: skip
         if c.best_metric not in {f.name for f in dataclasses.fields(StepMetrics)}:
             raise ValueError(f"best_metric {c.best_metric!r} is not a StepMetrics field")
         for i, s in enumerate(samples):
@@ -312,7 +315,8 @@ class GRPORoundTrainer:
             prompts = [s.prompt_ids for s in micro]
             completions = [s.completion_ids for s in micro]
             temperatures = [s.temperature for s in micro]
-            logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
+            with torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+                logp_new, mask = completion_logprobs(self.model, prompts, completions, self.pad_id, temperatures)  # [mb, seq]
             mask = _with_loss_masks(mask, micro)
             advantages = torch.tensor([s.advantage for s in micro], dtype=logp_new.dtype)  # [mb]
             if self.config.update_rule == "awr":
@@ -361,7 +365,7 @@ class GRPORoundTrainer:
     ) -> torch.Tensor:
         """``[mb, seq]`` log-probs under the reference (the given model, else the adapter-free base),
         each row at its sample's temperature."""
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device_type=self.model.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
             if self.ref_model is not None:
                 logp, _ = completion_logprobs(self.ref_model, prompts, completions, self.pad_id, temperatures)
             else:

@@ -263,6 +263,43 @@ def test_awr_round_raises_the_likelihood_of_positive_rows_and_leaves_the_others_
     assert _mean_logprob(model, positive) > before + 0.05
 
 
+def _policy_with_moved_adapter():
+    """The tiny policy with its LoRA B matrices drawn (seeded) away from 0, so the adapter changes
+    the outputs and gradients reach A as well as B."""
+    model, _ = _policy()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def test_bf16_awr_step_is_the_float32_step_rounded_and_grpo_refuses_it(tmp_path):
+    """bf16 under the "awr" rule: the same step as float32 up to bfloat16's rounding (the
+    gradients' direction and the loss agree closely, but not bit for bit), the LoRA weights and
+    their gradients stay float32; under "grpo" the trainer refuses it (the ratio's two sides
+    would come from different numerics)."""
+    from flow_assets.rl.awr_loss import AWRLossConfig
+
+    samples = [s for s in _synthetic_samples() if s.advantage > 0]
+    steps = {}
+    for bf16 in (False, True):
+        model = _policy_with_moved_adapter()
+        config = GRPOTrainerConfig(output_dir=str(tmp_path / str(bf16)), minibatch_size=len(samples), learning_rate=1e-2,
+                                   update_rule="awr", awr=AWRLossConfig(weighting="positive", positive_weight="advantage", beta_kl=0.1),
+                                   bf16=bf16)  # fmt: skip
+        trainer = GRPORoundTrainer(model, samples, config)
+        metrics = trainer._train_step(1)
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in trainer.params)
+        steps[bf16] = (metrics, torch.cat([p.grad.detach().flatten() for p in trainer.params]))
+    (full, g_full), (mixed, g_mixed) = steps[False], steps[True]
+    assert mixed.loss != full.loss and mixed.loss == pytest.approx(full.loss, rel=2e-2)
+    assert mixed.kl > 0 and mixed.kl == pytest.approx(full.kl, rel=5e-2)  # the adapter-free reference, under the same autocast
+    assert float(torch.nn.functional.cosine_similarity(g_full, g_mixed, dim=0)) > 0.99
+    with pytest.raises(ValueError, match="bf16 is for the 'awr' update rule only"):
+        GRPORoundTrainer(_policy()[0], samples, GRPOTrainerConfig(output_dir=str(tmp_path / "grpo"), bf16=True))
+
+
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_gradient_checkpointing_gives_the_same_step(shared_prefix, tmp_path):
     from flow_assets.policy.sampling import MIN_SHARED_PREFIX
@@ -273,11 +310,7 @@ def test_gradient_checkpointing_gives_the_same_step(shared_prefix, tmp_path):
         samples = [TrainingSample(head + s.prompt_ids[1:2], s.completion_ids[:32 - MIN_SHARED_PREFIX - 2], s.advantage, None, s.task_id) for s in samples]
     after = {}
     for checkpointing in (False, True):
-        model, _ = _policy()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        model = _policy_with_moved_adapter()
         config = GRPOTrainerConfig(output_dir=str(tmp_path / str(checkpointing)), minibatch_size=24, learning_rate=1e-2, gradient_checkpointing=checkpointing)
         trainer = GRPORoundTrainer(model, samples, config)
         assert model.is_gradient_checkpointing == checkpointing
