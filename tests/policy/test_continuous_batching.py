@@ -3,6 +3,7 @@ sample exactly what they would alone (tokens, and log-probs equal to teacher for
 requests are reproducible whatever they are batched with, and the gateway's batcher answers
 each call when its own completion ends."""
 
+import math
 import time
 
 import pytest
@@ -320,3 +321,39 @@ def test_length_buckets_keep_every_row_once_and_bound_the_padding():
     assert length_buckets(rows, float("inf")) == [sorted(rows, key=lambda r: len(r.prompt_ids))]  # one prefill
     with pytest.raises(ValueError, match="ratio"):
         length_buckets(rows, 0.5)
+
+
+def _join_mid_run(decoder, rows, tok):
+    """The schedule of the greedy test above: two rows, three steps, two more join, one step,
+    one more plus a lone prompt, then to the end. Returns the rows done."""
+    done = decoder.add(rows[:2])
+    for _ in range(3):
+        done += decoder.step()
+    done += decoder.add(rows[2:4])
+    done += decoder.step()
+    done += decoder.add(rows[4:])
+    while decoder.size:
+        done += decoder.step()
+    return done
+
+
+def test_bfloat16_steps_over_the_whole_cache_decode_what_steps_over_the_written_columns_decode(tmp_path):
+    """A bfloat16 decoder on the CPU attends over every column of its cache in a one-token step
+    (the unwritten ones masked; see ``_RowCache``): rows that join mid-run, whose merged caches
+    hold columns no step has written, get the tokens and log-probs they get when each step sees
+    only the written columns."""
+    model, tok = load_policy(save_tiny_policy(tmp_path / "policy", TinyModelConfig(seed=3)), dtype="bfloat16")
+    prompts = [*_prompts(tok), tok("zz")["input_ids"]]
+    results = {}
+    for whole in (True, False):
+        decoder = RowDecoder(model.eval(), tok.eos_token_id, tok.pad_token_id)
+        assert decoder.whole_steps  # bfloat16 on the CPU
+        decoder.whole_steps = whole
+        rows = [DecodeRow(p, t, 1.0, 24, s) for p, s, t in zip(prompts, row_streams(5, len(prompts)), [0.0, 0.9] * 3)]
+        assert len(_join_mid_run(decoder, rows, tok)) == len(rows)
+        results[whole] = rows
+    for a, b in zip(results[True], results[False]):
+        assert a.tokens == b.tokens and a.finished == b.finished
+        assert all(math.isfinite(x) for x in a.logprobs)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=0.02)
+    assert sum(len(r.tokens) for r in results[True]) > 2 * len(prompts)  # steps were taken, and merged
