@@ -741,8 +741,9 @@ def evaluate_agents(
     ray_address: str | None = None,
 ) -> tuple[pl.DataFrame, float]:
     """Every policy's agents on ``tasks`` in each of ``config.modes`` (greedy T = 0, sampled at
-    ``config.sampled_temperature``), side by side through one in-process gateway; the rollouts do
-    not land (held-out tasks never train). With ``workers`` > 0, over that many Ray rollout
+    ``config.sampled_temperature``), one policy after the other through one in-process gateway
+    (:func:`~flow_assets.serving.agents.evaluation.agents_rows` says why); the rollouts do not land
+    (held-out tasks never train). With ``workers`` > 0, over that many Ray rollout
     workers instead, each a gateway replica with its shard of the tasks
     (:mod:`flow_assets.cluster.ray_rollouts`), on the cluster at ``ray_address`` (``None``: a
     local one).

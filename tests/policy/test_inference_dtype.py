@@ -4,6 +4,8 @@ tokens it drew (close to a float32 teacher-forced pass, not equal to it), a gree
 through the gateway agrees with float32 on the trained calculator policy, and bad settings are
 refused with a clear error."""
 
+import shutil
+
 import polars as pl
 import pytest
 import torch
@@ -123,3 +125,28 @@ def test_a_bfloat16_decode_step_attends_as_float32_sdpa_does(mask_kind):
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.3, enable_gqa=True,
                                           attn_mask=None if mask is None else attends[..., :kv_len])  # fmt: skip
     assert torch.allclose(out.float(), want.transpose(1, 2), atol=2e-2), (out.float() - want.transpose(1, 2)).abs().max()
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_two_adapters_runs_them_one_after_the_other_on_one_gateway(calculator_policy_dir, tmp_path):
+    """agents_rows with two served names activates each adapter once (continuous batching within
+    each), where serving both at once switched adapters, draining the running batch, again and again,
+    and each name's rows are those it gets when evaluated alone."""
+    from flow_assets.serving.agents.evaluation import agents_rows
+    from flow_assets.serving.gateway.serve import serve_policy
+
+    tasks = TaskSourceResource(kind="calculator")
+    source, agent = tasks.source(), tasks.agent_fn()
+    held_out = source.tasks("held_out")[:24]
+    champion = AdapterRegistry(root=str(calculator_policy_dir)).champion()
+    # a second adapter the batcher must switch to: the champion's, from another directory
+    other = shutil.copytree(champion["adapter_path"], tmp_path / "other")
+    store = PolicyStore(str(calculator_policy_dir))
+    policies = {"champion": AdapterRef(champion["version"], champion["adapter_path"]), "other": AdapterRef("other", str(other))}
+    with serve_policy(store, tmp_path / "both", extra=policies) as server:
+        rows = agents_rows(server.url, source.score, agent, tasks.agent_id, held_out, list(policies), {"greedy": 0.0}, 8, 600.0)
+        activations = server.gateway.batcher.activations
+    assert [r["policy"] for r in rows] == ["champion"] * 24 + ["other"] * 24
+    assert [r["success"] for r in rows[:24]] == [r["success"] for r in rows[24:]]  # the same weights
+    assert activations == 2
+    assert sum(r["llm_calls"] for r in rows) > 48  # the agents called more than once each: batches had to be refilled

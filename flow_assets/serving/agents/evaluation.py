@@ -30,18 +30,24 @@ def evaluation_rows(results: list[RolloutResult], policy: str, mode: str) -> lis
 def agents_rows(url: str, score: ScoreFn, agent: AgentFn, agent_id: str, tasks: list[Task], names: list[str], temperatures: dict[str, float],
                 concurrency: int, timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
     """The agents of every served name in ``names`` on ``tasks`` in each mode of ``temperatures``
-    (mode -> sampling temperature), all at once through the gateway at ``url``, ``concurrency``
-    agents per name and mode, each cancelled after ``timeout_s`` seconds; nothing lands. Their
-    :func:`evaluation_rows`, by name, then mode, then task."""
+    (mode -> sampling temperature), through the gateway at ``url``: one name after the other, all
+    of a name's modes at once, ``concurrency`` agents per name and mode, each cancelled after
+    ``timeout_s`` seconds; nothing lands. Their :func:`evaluation_rows`, by name, then mode, then
+    task.
 
-    async def everything():
+    One name at a time because each name is its own LoRA adapter, and the gateway's batcher
+    decodes one adapter at a time: with two names in flight, every call of the other adapter at
+    the head of its queue stops the running batch from taking in more calls until it has drained
+    to its longest row, so continuous batching degrades into static batches, one per switch.
+    """
+
+    async def one_name(name: str) -> dict:
         runs = {
             (name, mode): run_rollouts(url, agent, tasks, score, 1, agent_id=agent_id,
                                        config=HarnessConfig(concurrency, timeout_s, name, temperature, None, land=False))
-            for name in names
             for mode, temperature in temperatures.items()
         }  # fmt: skip
         return dict(zip(runs, await asyncio.gather(*runs.values())))
 
-    results = asyncio.run(everything())
+    results = {key: res for name in names for key, res in asyncio.run(one_name(name)).items()}
     return [row for (name, mode), res in results.items() for row in evaluation_rows(res, name, mode)]

@@ -277,6 +277,9 @@ class ContinuousBatcher:
         self.batches = 0  # admissions: groups of requests prefilled together
         self.rows = 0  # sequences decoded
         self.steps = 0  # decoding steps (one token of every running row)
+        # adapters made active (the first, then one per switch): each switch waits for the running
+        # batch to drain, so a workload that alternates adapters call by call shows here
+        self.activations = 0
         self._thread.start()
 
     def submit(self, request: GenerationRequest) -> Future:
@@ -328,6 +331,7 @@ class ContinuousBatcher:
                 continue
             if idle and (decoder is None or waiting[0].adapter_path != adapter):
                 adapter, decoder = waiting[0].adapter_path, None
+                self.activations += 1
                 try:
                     decoder = RowDecoder(self._activate(adapter), self.eos_token_id, self.pad_token_id)
                 except Exception as exc:  # noqa: BLE001 - e.g. a missing adapter: its callers get the error
