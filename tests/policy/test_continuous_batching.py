@@ -323,7 +323,7 @@ def test_length_buckets_keep_every_row_once_and_bound_the_padding():
         length_buckets(rows, 0.5)
 
 
-def _join_mid_run(decoder, rows, tok):
+def _join_mid_run(decoder, rows):
     """The schedule of the greedy test above: two rows, three steps, two more join, one step,
     one more plus a lone prompt, then to the end. Returns the rows done."""
     done = decoder.add(rows[:2])
@@ -350,7 +350,7 @@ def test_bfloat16_steps_over_the_whole_cache_decode_what_steps_over_the_written_
         assert decoder.whole_steps  # bfloat16 on the CPU
         decoder.whole_steps = whole
         rows = [DecodeRow(p, t, 1.0, 24, s) for p, s, t in zip(prompts, row_streams(5, len(prompts)), [0.0, 0.9] * 3)]
-        assert len(_join_mid_run(decoder, rows, tok)) == len(rows)
+        assert len(_join_mid_run(decoder, rows)) == len(rows)
         results[whole] = rows
     for a, b in zip(results[True], results[False]):
         assert a.tokens == b.tokens and a.finished == b.finished
