@@ -150,7 +150,7 @@ class _RowCache:
 
     ``whole_steps``: a one-token step gets every column of the buffers, ``[rows, kv_heads,
     capacity, head_dim]``, not only the ``length + 1`` written so far, and its mask covers them all
-    (:meth:`RowDecoder.step`). Why: PyTorch's bfloat16 ``bmm`` on a CPU copies a column-sliced view
+    (widened in ``RowDecoder._forward``). Why: PyTorch's bfloat16 ``bmm`` on a CPU copies a column-sliced view
     whole before multiplying (50 rows, 1,028 of 1,253 columns, 3 of 9 heads: 13.9 ms a layer
     against 3.6 ms on the contiguous buffer, 2026-11-28), where float32's takes the view as it is;
     the masked columns cost their share of the two matmuls instead. The unwritten columns are
