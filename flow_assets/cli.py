@@ -604,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     bfcl.add_argument("--final-tasks", type=int, default=None, help="held-out tasks of the final comparison (default: all)")
     bfcl.add_argument("--modes", default="greedy,sampled", choices=["greedy,sampled", "greedy", "sampled"],
                       help="modes of the final comparison (default greedy,sampled; greedy alone halves its time)")
-    bfcl.add_argument("--eval-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                      help="precision the final comparison serves both policies in (default bfloat16; collection is float32)")
+    bfcl.add_argument("--eval-dtype", default=None, choices=["bfloat16", "float32"],
+                      help="precision the final comparison serves both policies in (default bfloat16 where the CPU computes it "
+                           "natively, else float32; collection is float32)")
     bfcl.set_defaults(fn=_demo_bfcl)
     entry = sub.add_parser("bfcl-entry-point", help="score a policy on BFCL's held-out ids by flowopt and by BFCL's own CLI on the same gateway, and compare")
     entry.add_argument("--adapter", default=None, help="a LoRA adapter directory to score (default: v0, SmolLM2 as it is)")

@@ -101,13 +101,23 @@ def per_category(rows: pl.DataFrame, category_of: dict[str, str]) -> dict[str, d
     return out
 
 
+def precision_defaults(native_bfloat16: bool) -> tuple[dict, dict, str]:
+    """``(warm start, gate evaluation, final comparison dtype)``: :data:`WARM_START`,
+    :data:`GATE_EVAL` and :data:`EVAL_DTYPE` where the CPU computes bfloat16 natively
+    (``native_bfloat16``: :func:`~flow_assets.policy.precision.bfloat16_is_fast`), else the same
+    in float32 (emulated bfloat16 was ~17x slower than float32 on a CPU with AVX2 only)."""
+    if native_bfloat16:
+        return WARM_START, GATE_EVAL, EVAL_DTYPE
+    return {**WARM_START, "sft": {**WARM_START["sft"], "bf16": False}}, {**GATE_EVAL, "dtype": "float32"}, "float32"
+
+
 def run_bfcl_demo(
     rounds: int = 2,
     final_tasks: int | None = None,
     modes: tuple[str, ...] = ("greedy", "sampled"),
     preset_dir: Path = REPO_ROOT / ".models" / "presets" / PRESET,
     report: Path = REPO_ROOT / "reports" / "bfcl-summary.json",
-    eval_dtype: str = EVAL_DTYPE,
+    eval_dtype: str | None = None,
     warm_start: dict | None = None,
     collect: dict | None = None,
     train: dict | None = None,
@@ -128,8 +138,14 @@ def run_bfcl_demo(
             :data:`TEMPERATURE` doubles the evaluation's time).
         eval_dtype: the final comparison's serving precision (``"float32"`` or ``"bfloat16"``;
             :attr:`~flow_assets.training.rounds.EvaluationConfig.dtype`); the gates' is in ``gate_eval``.
+            Default :data:`EVAL_DTYPE`.
         warm_start / collect / train / gate_eval: run configs (defaults :data:`WARM_START`,
             :data:`COLLECT`, :data:`TRAIN`, :data:`GATE_EVAL`).
+
+    The defaults' bfloat16 (the warm start's training, the gates' and the final comparison's
+    serving) holds only where the CPU computes bfloat16 natively
+    (:func:`~flow_assets.policy.precision.bfloat16_is_fast`); elsewhere they run in float32, since
+    emulated bfloat16 was ~17x slower than float32 on a CPU with AVX2 only.
 
     Raises:
         BfclUnavailable: bfcl-eval is not installed (``make install-bfcl``).
@@ -137,6 +153,13 @@ def run_bfcl_demo(
         RuntimeError: the warm start or a round failed (the message names it).
     """
     started = time.perf_counter()
+    from flow_assets.policy.precision import bfloat16_is_fast
+
+    native = bfloat16_is_fast()
+    default_warm, default_gate, default_dtype = precision_defaults(native)
+    eval_dtype, warm_start, gate_eval = eval_dtype or default_dtype, warm_start or default_warm, gate_eval or default_gate
+    if not native:
+        print("this CPU has no native bfloat16 (oneDNN): the warm start and every evaluation run in float32", flush=True)
     settings = settings or Settings.load()
     state = DemoState.from_settings(settings)
     models_root = state.models / "bfcl"

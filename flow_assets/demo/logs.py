@@ -30,6 +30,7 @@ cleared by the next run as ``flowopt demo`` clears ``.demo/``). The report goes 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import shutil
@@ -79,7 +80,8 @@ TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction
 #: of 4 conversations: in float32 a step took ~6 minutes on two CPU cores (1,452 s for 4 on
 #: 2026-11-27), so these 16 conversations did not fit #28's 30 minutes with the evaluation
 #: (785 s). bf16 autocast (no ratio under AWR): one step of 2 conversations 92 s against 151 s in
-#: float32, loss 0.57006 against 0.57013, peak RSS 6.0 against 8.6 GB (2026-11-28)
+#: float32, loss 0.57006 against 0.57013, peak RSS 6.0 against 8.6 GB (2026-11-28, a CPU with
+#: AMX); on a CPU without native bfloat16 the demo trains in float32 (``run_logs_demo``)
 TAU_BENCH_TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=4, minibatch_size=4, micro_batch_size=1, save_steps=1000,
                                     gradient_checkpointing=True, bf16=True,
                                     awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
@@ -113,6 +115,13 @@ FAMILIES = {
 }
 
 
+def family_train(spec: LogFamily, native_bfloat16: bool) -> GRPOTrainerConfig:
+    """``spec.train``, in float32 when the CPU has no native bfloat16 (``native_bfloat16`` is
+    :func:`~flow_assets.policy.precision.bfloat16_is_fast`'s answer): emulated, a tau-bench step
+    ran ~17x slower than in float32 (module comment of :data:`TAU_BENCH_TRAIN`)."""
+    return spec.train if native_bfloat16 or not spec.train.bf16 else dataclasses.replace(spec.train, bf16=False)
+
+
 def _p_text(difference: dict) -> str:
     """``"= p"``, or ``"< 2/n"`` when no bootstrap resample reached the other side (p is then
     below what ``n_resamples`` resolves, not zero)."""
@@ -139,7 +148,9 @@ def run_logs_demo(
     """Run the demo (module docstring) on one :data:`FAMILIES` entry, write ``report`` (default
     ``reports/demo-logs-<family>.json``) and return its content.
 
-    ``train`` and ``max_new_tokens`` default to the family's. ``max_turns`` evaluates only the
+    ``train`` and ``max_new_tokens`` default to the family's; the family's ``bf16`` holds only
+    where the CPU computes bfloat16 natively (:func:`~flow_assets.policy.precision.bfloat16_is_fast`;
+    emulated, a tau-bench step was ~17x slower than float32), else the default trains in float32. ``max_turns`` evaluates only the
     first held-out turns (a smoke test; the demo evaluates all). ``max_new_tokens`` caps each
     greedy next action: on FireAct a trained policy writes its thought before its call, as the
     logs do: at 64 tokens 9 of its first 60 actions were cut before they parsed.
@@ -157,7 +168,12 @@ def run_logs_demo(
     if family not in FAMILIES:
         raise ValueError(f"unknown log family {family!r}; known: {', '.join(FAMILIES)}")
     spec = FAMILIES[family]
-    train = train or spec.train
+    if train is None:  # the family's settings; its bfloat16 only where the CPU computes it natively
+        from flow_assets.policy.precision import bfloat16_is_fast
+
+        train = family_train(spec, bfloat16_is_fast())
+        if spec.train.bf16 and not train.bf16:
+            print("this CPU has no native bfloat16 (oneDNN): training in float32", flush=True)
     max_new_tokens = max_new_tokens or spec.max_new_tokens
     report = report or REPO_ROOT / "reports" / f"demo-logs-{family}.json"
     started = time.perf_counter()
