@@ -13,9 +13,10 @@ from __future__ import annotations
 def bfloat16_is_fast(device: str = "cpu") -> bool:
     """Whether matrix products in bfloat16 run natively on ``device``.
 
-    On a CPU this is oneDNN's own test (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512
-    with bfloat16 support, or AMX); on CUDA, ``torch.cuda.is_bf16_supported``. Any other device:
-    ``False``.
+    On a CPU this is the test PyTorch's oneDNN backend makes for its bfloat16 kernels
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 BW/VL/DQ on x86, which AMX and
+    ``avx512_bf16`` CPUs have, or Arm's bfloat16 extension); on CUDA,
+    ``torch.cuda.is_bf16_supported``. Any other device: ``False``.
 
     Args:
         device: a torch device type, ``"cpu"`` or ``"cuda"``.
