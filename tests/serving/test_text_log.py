@@ -21,11 +21,16 @@ from flow_assets.tasks.calculator import CalculatorSource
 CONTEXT = [{"role": "system", "content": "Be exact."}]
 
 
-async def agent_with_context(client, task):
-    """The calculator agent with a fixed system message before the query; a cap of 3 tokens a
-    reply on about half the tasks, so that some replies are cut."""
-    max_tokens = 3 if len(task.prompt) % 2 else 32
-    return await calculator_loop(client, [*CONTEXT, {"role": "user", "content": task.prompt}], 2, max_tokens=max_tokens)
+def agent_with_context(capped: set[str]):
+    """The calculator agent with a fixed system message before the query, its replies capped at
+    one token on the ``capped`` task ids, so that some replies are cut whatever is sampled (a cap
+    of 3 tokens on some tasks once let every reply of a run end first)."""
+
+    async def agent(client, task):
+        max_tokens = 1 if task.task_id in capped else 32
+        return await calculator_loop(client, [*CONTEXT, {"role": "user", "content": task.prompt}], 2, max_tokens=max_tokens)
+
+    return agent
 
 
 def _lake_frames(trajectories: list[Trajectory]) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -42,7 +47,7 @@ def test_the_agents_text_log_renders_to_the_ids_the_gateway_captured(calculator_
     source = CalculatorSource()
     tasks = source.tasks("train")[:6]
     log = tmp_path / "agent" / "calc.jsonl"
-    agent = text_logging_agent(agent_with_context, log, "calc", source.score, context_messages=len(CONTEXT), temperature=1.0)
+    agent = text_logging_agent(agent_with_context({t.task_id for t in tasks[:3]}), log, "calc", source.score, context_messages=len(CONTEXT), temperature=1.0)
     landing = tmp_path / "landing"
     with serve_policy(store, landing) as server:
         results = run_rollouts_sync(server.url, agent, tasks, source.score, 2, agent_id="calc", batch="b", config=HarnessConfig(temperature=1.0))
