@@ -138,7 +138,7 @@ def run_bfcl_demo(
             :data:`TEMPERATURE` doubles the evaluation's time).
         eval_dtype: the final comparison's serving precision (``"float32"`` or ``"bfloat16"``;
             :attr:`~flow_assets.training.rounds.EvaluationConfig.dtype`); the gates' is in ``gate_eval``.
-            Default :data:`EVAL_DTYPE`.
+            Default: :data:`EVAL_DTYPE` where bfloat16 is native, else float32 (below).
         warm_start / collect / train / gate_eval: run configs (defaults :data:`WARM_START`,
             :data:`COLLECT`, :data:`TRAIN`, :data:`GATE_EVAL`).
 
@@ -159,7 +159,8 @@ def run_bfcl_demo(
     default_warm, default_gate, default_dtype = precision_defaults(native)
     eval_dtype, warm_start, gate_eval = eval_dtype or default_dtype, warm_start or default_warm, gate_eval or default_gate
     if not native:
-        print("this CPU has no native bfloat16 (oneDNN): the warm start and every evaluation run in float32", flush=True)
+        print("this CPU has no native bfloat16 (oneDNN): the default warm start and evaluations run in float32 "
+              "(a precision given by --eval-dtype or a config still holds)", flush=True)
     settings = settings or Settings.load()
     state = DemoState.from_settings(settings)
     models_root = state.models / "bfcl"
