@@ -88,10 +88,14 @@ def _start_webserver(env: dict[str, str], port: int, timeout: float = 120.0) -> 
     raise TourError(f"dagster-webserver did not start on port {port} within {timeout:.0f} s")
 
 
-def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000, settings: Settings | None = None) -> TourResult:
+def tour(
+    env: dict[str, str], out_dir: Path, settle_ms: int = 4000, settings: Settings | None = None, wait_s: float = 60.0
+) -> TourResult:
     """Tour the UI of the deployment that ``env`` (``DAGSTER_HOME``, ``FLOWOPT_*``, laid over this
     process's environment) describes and save screenshots in ``out_dir``; the browser is
-    :func:`find_chromium` of ``settings``.
+    :func:`find_chromium` of ``settings``. Each page is given ``settle_ms`` (milliseconds) to
+    render, then up to ``wait_s`` (seconds) more until the text its checks look for appears; a
+    check whose text never appears is reported missing, not raised.
 
     Raises:
         TourError: Playwright or Chromium is missing, or the webserver did not start.
@@ -113,48 +117,58 @@ def tour(env: dict[str, str], out_dir: Path, settle_ms: int = 4000, settings: Se
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1500, "height": 950})
 
-            def visit(path: str) -> str:
+            def visit(path: str, *expect: str) -> str:
+                # A page's data arrives by GraphQL after load; on a busy machine (CI runs the
+                # suite two-wide) that took longer than any fixed pause, so wait for the text.
                 page.goto(base + path)
                 page.wait_for_timeout(settle_ms)
-                skip = page.get_by_role("button", name="Skip")  # the first-visit newsletter dialog
-                if skip.count():
-                    skip.first.click()
-                    page.wait_for_timeout(300)
-                return page.inner_text("body")
+                return settle(*expect)
+
+            def settle(*expect: str, limit_s: float = wait_s) -> str:
+                deadline = time.monotonic() + limit_s
+                while True:
+                    skip = page.get_by_role("button", name="Skip")  # the first-visit newsletter dialog
+                    if skip.count():
+                        skip.first.click()
+                        page.wait_for_timeout(300)
+                    text = page.inner_text("body")
+                    if all(e in text for e in expect) or time.monotonic() > deadline:
+                        return text
+                    page.wait_for_timeout(500)
 
             def shoot(name: str) -> None:
                 path = out_dir / f"ui-{name}.png"
                 page.screenshot(path=str(path))
                 result.screenshots.append(path)
 
-            text = visit("/automation")
+            text = visit("/automation", *SENSORS)
             for sensor in SENSORS:
                 result.found[f"sensor {sensor}"] = sensor if sensor in text else None
-            text = visit("/locations/flowopt/sensors/training_round_sensor")
+            text = visit("/locations/flowopt/sensors/training_round_sensor", "Latest tick", "runs requested")
             result.found["tick history"] = "Latest tick" if "Latest tick" in text and "runs requested" in text else None
             shoot("sensor")
-            text = visit("/runs")
+            text = visit("/runs", *SENSORS)
             for sensor in ("self_play_sensor", "new_logs_sensor", "training_round_sensor", "training_history_sensor"):
                 result.found[f"runs launched by {sensor}"] = sensor if sensor in text else None
             shoot("runs")
-            text = visit("/assets/training_history?view=events")
+            text = visit("/assets/training_history?view=events", "champion_after")
             result.found["training_history table"] = "champion_after" if "champion_after" in text else None
             shows = page.get_by_text("Show Markdown")
             if shows.count():
                 shows.first.click()
                 page.wait_for_timeout(800)
-            text = page.inner_text("body")
+            text = settle("held-out success") if shows.count() else page.inner_text("body")
             result.found["training_history chart"] = "held-out success" if "held-out success" in text else None
             shoot("training-history")
             if shows.count():
                 page.keyboard.press("Escape")
-            text = visit("/assets/evaluation_report?view=checks")
+            text = visit("/assets/evaluation_report?view=checks", "This is a blocking asset check")
             result.found["gate checks"] = "blocking" if "This is a blocking asset check" in text else None
             blocked = None
             for check in ("gain", "kl_bound", "finite_loss"):
                 page.get_by_text(check, exact=True).first.click()
                 page.wait_for_timeout(1500)
-                text = page.inner_text("body")
+                text = settle("Evaluation result", limit_s=min(wait_s, 20.0))  # absent if the check never ran
                 if re.search(r"Evaluation result\s+Failed", text):  # the latest round was blocked
                     start = text.find("Latest execution")
                     blocked = " ".join(text[start : start + 400].split()) if start >= 0 else check
