@@ -81,8 +81,11 @@ TABLES = ("steps", "step_advantages", "trajectories", "advantages", "interaction
 #: 2026-11-27), so these 16 conversations did not fit #28's 30 minutes with the evaluation
 #: (785 s). bf16 autocast (no ratio under AWR): one step of 2 conversations 92 s against 151 s in
 #: float32, loss 0.57006 against 0.57013, peak RSS 6.0 against 8.6 GB (2026-11-28, a CPU with
-#: AMX); on a CPU without native bfloat16 the demo trains in float32 (``run_logs_demo``)
-TAU_BENCH_TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=4, minibatch_size=4, micro_batch_size=1, save_steps=1000,
+#: AMX); on a CPU without native bfloat16 the demo trains in float32 (``run_logs_demo``). The same
+#: 16 conversations as 16 steps of one (2026-11-29, an AVX-512 CPU with ``avx512_bf16``, 998 s):
+#: 7 of the 37 logged calls right with their arguments against 2 with 4 steps of 4, name and
+#: arguments -10.6 points against -12.5 (docs/training.md)
+TAU_BENCH_TRAIN = GRPOTrainerConfig(learning_rate=5e-4, num_iterations=1, max_steps=16, minibatch_size=1, micro_batch_size=1, save_steps=1000,
                                     gradient_checkpointing=True, bf16=True,
                                     awr=AWRLossConfig(weighting="positive", positive_weight="advantage"))  # fmt: skip
 
