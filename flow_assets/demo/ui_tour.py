@@ -136,6 +136,9 @@ def tour(
                         return text
                     page.wait_for_timeout(500)
 
+            def record(name: str, text: str, *needles: str) -> None:
+                result.found[name] = needles[0] if all(n in text for n in needles) else None
+
             def shoot(name: str) -> None:
                 path = out_dir / f"ui-{name}.png"
                 page.screenshot(path=str(path))
@@ -143,27 +146,27 @@ def tour(
 
             text = visit("/automation", *SENSORS)
             for sensor in SENSORS:
-                result.found[f"sensor {sensor}"] = sensor if sensor in text else None
+                record(f"sensor {sensor}", text, sensor)
             text = visit("/locations/flowopt/sensors/training_round_sensor", "Latest tick", "runs requested")
-            result.found["tick history"] = "Latest tick" if "Latest tick" in text and "runs requested" in text else None
+            record("tick history", text, "Latest tick", "runs requested")
             shoot("sensor")
             text = visit("/runs", *SENSORS)
-            for sensor in ("self_play_sensor", "new_logs_sensor", "training_round_sensor", "training_history_sensor"):
-                result.found[f"runs launched by {sensor}"] = sensor if sensor in text else None
+            for sensor in SENSORS:
+                record(f"runs launched by {sensor}", text, sensor)
             shoot("runs")
             text = visit("/assets/training_history?view=events", "champion_after")
-            result.found["training_history table"] = "champion_after" if "champion_after" in text else None
+            record("training_history table", text, "champion_after")
             shows = page.get_by_text("Show Markdown")
             if shows.count():
                 shows.first.click()
                 page.wait_for_timeout(800)
             text = settle("held-out success") if shows.count() else page.inner_text("body")
-            result.found["training_history chart"] = "held-out success" if "held-out success" in text else None
+            record("training_history chart", text, "held-out success")
             shoot("training-history")
             if shows.count():
                 page.keyboard.press("Escape")
             text = visit("/assets/evaluation_report?view=checks", "This is a blocking asset check")
-            result.found["gate checks"] = "blocking" if "This is a blocking asset check" in text else None
+            record("gate checks", text, "This is a blocking asset check")
             blocked = None
             for check in ("gain", "kl_bound", "finite_loss"):
                 page.get_by_text(check, exact=True).first.click()
