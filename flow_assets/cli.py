@@ -516,6 +516,12 @@ def _proposals(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _daemon(args: argparse.Namespace, settings: Settings) -> int:
+    from flow_assets.runtime.daemon import run_daemon
+
+    return run_daemon(args.daemon_args, settings.sensor_loop_seconds)
+
+
 def _schema(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.logs.schema import json_schema
 
@@ -558,7 +564,12 @@ def _ui_tour(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flowopt`` console script; returns the process exit code."""
     _quiet_libraries()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "daemon":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "daemon":  # dagster-daemon's own options, e.g. --version, that argparse left over
+        args.daemon_args = unknown + args.daemon_args
     try:  # once, after the arguments (so --help works whatever the environment holds)
         settings = Settings.load()
     except ValueError as exc:
@@ -797,6 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in (proposals_list, show, approve, reject, verify):
         cmd.add_argument("--workflows", default=None, help=workflows_help)
         cmd.set_defaults(fn=_proposals)
+    daemon = sub.add_parser(
+        "daemon", help="dagster-daemon with its sensor loop every FLOWOPT_SENSOR_LOOP_SECONDS (Dagster's is fixed at 5 s); "
+        "takes dagster-daemon's arguments, e.g. `flowopt daemon run -w workspace.yaml`",
+    )  # fmt: skip
+    daemon.add_argument("daemon_args", nargs=argparse.REMAINDER, help="dagster-daemon's arguments")
+    daemon.set_defaults(fn=_daemon)
     schema = sub.add_parser("schema", help="print the JSON Schema of one canonical log line")
     schema.set_defaults(fn=_schema)
     return parser

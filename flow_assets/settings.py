@@ -41,6 +41,8 @@ DEFAULT_DAGSTER_URL = "http://127.0.0.1:3000"
 DEFAULT_MONTHLY_BUDGET_USD = 100.0
 DEFAULT_SETTLE_SECONDS = 10.0
 DEFAULT_SENSOR_INTERVAL_SECONDS = 30
+#: Dagster's own sensor-loop time (``flowopt daemon`` changes it; flow_assets/runtime/daemon.py)
+DEFAULT_SENSOR_LOOP_SECONDS = 5.0
 
 #: the project settings file, looked up in the working directory (the directory relative default
 #: paths are relative to, and the one every documented command runs from: the repository root)
@@ -168,6 +170,10 @@ class Settings:
             [FLOWOPT_SETTLE_SECONDS], >= 0.
         sensor_interval_seconds: least seconds between two evaluations of a sensor
             [FLOWOPT_SENSOR_INTERVAL_SECONDS], >= 1.
+        sensor_loop_seconds: least seconds between two iterations of the daemon's sensor loop
+            under ``flowopt daemon`` [FLOWOPT_SENSOR_LOOP_SECONDS], in (0, 61); the default is
+            Dagster's own 5 s (``dagster-daemon`` itself always uses that). A sensor ticks at most
+            this often whatever its interval.
         self_play_rounds: rounds the self-play sensor runs on its own, 0 = off
             [FLOWOPT_SELF_PLAY_ROUNDS].
         run_config: JSON file ``{job name: run config}`` the sensors launch runs with
@@ -229,6 +235,7 @@ class Settings:
     agent: str | None = _var("FLOWOPT_AGENT", None)
     settle_seconds: float = _var("FLOWOPT_SETTLE_SECONDS", DEFAULT_SETTLE_SECONDS, _number(0.0, unit="seconds"))
     sensor_interval_seconds: int = _var("FLOWOPT_SENSOR_INTERVAL_SECONDS", DEFAULT_SENSOR_INTERVAL_SECONDS, _count(1))
+    sensor_loop_seconds: float = _var("FLOWOPT_SENSOR_LOOP_SECONDS", DEFAULT_SENSOR_LOOP_SECONDS, _number(0.0, 61.0, open_low=True, unit="seconds"))
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))
     run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
     training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)

@@ -114,7 +114,11 @@ def phase_env(state: DemoState, phase: Phase, run_config_path: Path) -> dict[str
         "FLOWOPT_WORKFLOWS": str(state.workflows),
         "FLOWOPT_TASKS": phase.kind,
         "FLOWOPT_SETTLE_SECONDS": "0",  # the demo lands files by rename only
-        "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1",  # the daemon's loop still ticks every 5 s
+        "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1",
+        # a round is three sensor hops in a row: Dagster's 5 s sensor loop made each wait 2.5 s on
+        # average. Not 1 s: every tick builds a Dagster instance (~0.15 s of CPU), and at 1 s the ticks
+        # slowed the round's own work more than the shorter waits gained (docs/benchmarks.md)
+        "FLOWOPT_SENSOR_LOOP_SECONDS": "2",
         "FLOWOPT_SELF_PLAY_ROUNDS": str(phase.rounds),
         "FLOWOPT_RUN_CONFIG": str(run_config_path),
     }

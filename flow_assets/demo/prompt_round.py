@@ -148,7 +148,7 @@ def live_ab_phase(root: Path, models: Path, upstream_url: str, source, live_task
     home = root / "dagster_home"
     env = {"DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"),
            "FLOWOPT_MODELS": str(models), "FLOWOPT_WORKFLOWS": str(root / "workflows"), "FLOWOPT_SETTLE_SECONDS": "0",
-           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_LIVE_AB": "1", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
+           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_SENSOR_LOOP_SECONDS": "2", "FLOWOPT_LIVE_AB": "1", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
     with Daemon(env, home / "daemon.log") as daemon:
         return _run_ab(local_instance(home), daemon, registry, challenger, upstream_url, root, models, source, live_tasks, AGENT_ID, timeout)
 
@@ -182,7 +182,7 @@ def daemon_round(root: Path, models: Path, upstream_url: str, source, collect_on
     config_file.write_text(json.dumps({"prompt_round_job": {"ops": ops}}, indent=1))
     env = {"DAGSTER_HOME": str(home), "FLOWOPT_LAKE": str(root / "lake"), "FLOWOPT_LANDING": str(root / "landing"),
            "FLOWOPT_MODELS": str(models), "FLOWOPT_WORKFLOWS": str(root / "workflows"), "FLOWOPT_SETTLE_SECONDS": "0",
-           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_TASKS": "word_problems", "FLOWOPT_AGENT": tasks.agent,
+           "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1", "FLOWOPT_SENSOR_LOOP_SECONDS": "2", "FLOWOPT_TASKS": "word_problems", "FLOWOPT_AGENT": tasks.agent,
            "FLOWOPT_UPSTREAM_URL": upstream_url, "FLOWOPT_UPSTREAM_MODEL": "policy", "FLOWOPT_RUN_CONFIG": str(config_file),
            "FLOWOPT_LIVE_AB": "1" if live_ab else "0", "FLOWOPT_LIVE_AB_SHARE": str(AB_SHARE)}  # fmt: skip
     registry = AdapterRegistry(root=str(models))

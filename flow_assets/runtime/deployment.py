@@ -30,9 +30,10 @@ class DeploymentError(RuntimeError):
 
 
 class Daemon:
-    """``dagster-daemon run -w workspace.yaml`` in its own process group, with ``env`` added to
-    this process's environment; its output goes to ``log_path``. A context manager: stopped (SIGTERM
-    to its group, then SIGKILL after ``stop_timeout`` seconds) on exit."""
+    """``dagster-daemon run -w workspace.yaml`` (through :mod:`flow_assets.runtime.daemon`, so that
+    ``FLOWOPT_SENSOR_LOOP_SECONDS`` in ``env`` sets its sensor loop) in its own process group, with
+    ``env`` added to this process's environment; its output goes to ``log_path``. A context
+    manager: stopped (SIGTERM to its group, then SIGKILL after ``stop_timeout`` seconds) on exit."""
 
     def __init__(self, env: dict[str, str], log_path: Path, stop_timeout: float = 60.0):
         self.env, self.log_path, self.stop_timeout = env, Path(log_path), stop_timeout
@@ -41,9 +42,8 @@ class Daemon:
     def __enter__(self) -> "Daemon":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
-        exe = Path(sys.executable).with_name("dagster-daemon")
         self.process = subprocess.Popen(
-            [str(exe), "run", "-w", str(REPO_ROOT / "workspace.yaml")],
+            [sys.executable, "-m", "flow_assets.runtime.daemon", "run", "-w", str(REPO_ROOT / "workspace.yaml")],
             cwd=REPO_ROOT, env=child_environ(self.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()

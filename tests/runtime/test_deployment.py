@@ -65,6 +65,23 @@ def test_every_run_is_launched_by_a_sensor_and_a_blocked_round_ends_the_loop(dep
     assert runs["training_round_job"].run_config["ops"]["evaluation_report"]["config"]["max_tasks"] == 24
 
 
+def test_the_daemons_sensor_loop_comes_round_every_two_seconds_not_every_five(deployment):
+    """Dagster's sensor loop starts an iteration at most every 5 s, so one sensor's evaluations
+    are never closer than that; the demo's daemon (``flowopt daemon``, FLOWOPT_SENSOR_LOOP_SECONDS
+    2 in :func:`phase_env`) evaluates them about every 2 s. The log has whole seconds: the
+    closest two evaluations of a sensor must be at most 3 s apart."""
+    import re
+    from datetime import datetime
+
+    state, instance, phase, _ = deployment
+    assert phase_env(state, phase, state.home / "x.json")["FLOWOPT_SENSOR_LOOP_SECONDS"] == "2"
+    pattern = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\n]*Checking for new runs for sensor: new_logs_sensor$", re.M)
+    times = [datetime.strptime(t, "%Y-%m-%d %H:%M:%S").timestamp() for t in pattern.findall((state.home / "daemon.log").read_text())]
+    assert len(times) >= 10, f"{len(times)} evaluations of new_logs_sensor in the daemon log"
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) <= 3.0, gaps
+
+
 def test_the_same_deployment_restarted_requests_nothing(deployment):
     state, instance, phase, _ = deployment
     before = {r.run_id for r in instance.get_runs()}
