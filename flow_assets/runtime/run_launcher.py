@@ -13,6 +13,19 @@ the run goes to a new worker that preloads nothing and imports what its steps ne
 default launcher. Every run still gets a process of its own that nothing ran in
 before: the isolation of the default launcher is kept.
 
+Fork server (``fork_server_modules``): importing torch, transformers and peft took ~4 s of CPU per
+spare, four spares a round on two cores, beside the run they waited behind. With a fork server
+those imports happen once: one process (started at the first launch) imports the listed modules and
+then forks every spare from itself, so a spare costs a fork plus what ``preload_modules`` adds (the
+project's code location, ~1.5 s). The fork server holds only modules that start no thread of their
+own at import (torch, transformers, peft, numpy, Dagster: no polars, which starts its allocator's
+threads on import, so not ``flow_assets.definitions``); after its imports it checks its own threads
+and, if any but the main one and BLAS's (which re-creates its pool after a fork) exist, refuses to
+fork: the launcher then starts spares as fresh interpreters, as without it. A forked spare starts
+a session of its own, reseeds numpy's global generator (Python's ``random`` reseeds itself at
+fork) and exits through the interpreter's normal shutdown, like a fresh one. Its exit status
+reaches the launcher through the fork server, which reaps it.
+
 Stale code: a spare that imported the project's own modules (anything outside the standard library
 and site-packages) before they changed on disk would run old code; just before executing, the
 worker compares those files' modification times with the ones it imported and, if any changed,
@@ -24,7 +37,8 @@ Configured in ``dagster.yaml``::
       module: flow_assets.runtime.run_launcher
       class: WarmRunLauncher
       config:
-        preload_modules: [torch, flow_assets.definitions]
+        fork_server_modules: [torch, transformers, peft]
+        preload_modules: [flow_assets.definitions]
 
 Nothing is started until the first launch, so processes that only load the instance (the
 webserver, ``dagster definitions validate``, tests) pay nothing.
@@ -34,6 +48,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import select
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -62,6 +78,9 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         preload_modules: modules the spare imports before it waits for a run (names, e.g.
             ``["torch", "flow_assets.definitions"]``); one that fails to import is reported on
             the worker's stderr and skipped, never fatal.
+        fork_server_modules: modules the fork server imports once before it forks each spare
+            (module docstring); empty (the default): no fork server, each spare is a fresh
+            interpreter.
         spares: how many spares to keep (>= 1). Two launches close together (a round's history
             refresh and the next collection; a short data-plane run then the training round)
             each find one whose imports are done with 2; with 1 the second goes to a new worker
@@ -72,14 +91,18 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         dagster.DagsterInvariantViolationError: from ``launch_run`` when the run has no code origin.
     """
 
-    def __init__(self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1):
+    def __init__(
+        self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1, fork_server_modules: Sequence[str] = ()
+    ):
         self._inst_data = inst_data
         self.preload_modules = tuple(check.sequence_param(preload_modules, "preload_modules", of_type=str))
+        self.fork_server_modules = tuple(check.sequence_param(fork_server_modules, "fork_server_modules", of_type=str))
         self.spares = check.int_param(spares, "spares")
         check.invariant(self.spares >= 1, f"WarmRunLauncher: spares must be >= 1, got {spares}")
         self._lock = threading.Lock()
-        self._spares: list[subprocess.Popen] = []
-        self._workers: dict[str, subprocess.Popen] = {}
+        self._spares: list = []  # subprocess.Popen or _ForkedWorker
+        self._workers: dict = {}
+        self._fork_server: _ForkServer | None = None
         super().__init__()
 
     @property
@@ -93,18 +116,27 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return {
             "preload_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
             "spares": Field(int, is_required=False, default_value=1),
+            "fork_server_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
         }
 
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]) -> "WarmRunLauncher":
-        return cls(inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1))
+        return cls(
+            inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1),
+            fork_server_modules=config_value.get("fork_server_modules") or [],
+        )  # fmt: skip
 
-    def _start_worker(self, preload: Sequence[str]) -> subprocess.Popen:
+    def _start_worker(self, preload: Sequence[str]):
+        """A new worker that will import ``preload``: forked by the fork server when it is up,
+        else a fresh interpreter; the instance line is already written to it."""
         from dagster._serdes import serialize_value
 
-        command = [sys.executable, "-m", "flow_assets.runtime.run_launcher", *preload]
-        # own process group: terminating one run never signals the daemon
-        worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        server = self._fork_server
+        worker = server.spawn(preload) if server is not None and server.ready() else None
+        if worker is None:
+            command = [sys.executable, "-m", "flow_assets.runtime.run_launcher", *preload]
+            # own process group: terminating one run never signals the daemon
+            worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         assert worker.stdin is not None
         # the instance first, so the worker opens its storage (~0.7 s) before a run needs it
         worker.stdin.write(serialize_value(self._instance.get_ref()) + "\n")
@@ -117,6 +149,9 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         launcher: a burst of launches, e.g. nine landed log files, must not wait for nine copies
         of torch). The spares are topped up to ``spares`` either way."""
         with self._lock:
+            if self.fork_server_modules and self._fork_server is None:
+                # its imports run beside this first run; the spares after it are forked
+                self._fork_server = _ForkServer(self.fork_server_modules, on_settled=self._top_up)
             self._spares = [w for w in self._spares if w.poll() is None]
             ready = [w for w in self._spares if _is_ready(w)]
             if ready:
@@ -124,9 +159,21 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
                 self._spares.remove(worker)
             else:
                 worker = self._start_worker(())
-            while len(self._spares) < self.spares:
-                self._spares.append(self._start_worker(self.preload_modules))
+            self._top_up_locked()
         return worker
+
+    def _top_up_locked(self) -> None:
+        # while the fork server is still importing, no spare is started: it would pay the imports
+        # the server is paying; the server's ready message tops them up (_top_up)
+        if self._fork_server is not None and self._fork_server.starting():
+            return
+        while len(self._spares) < self.spares:
+            self._spares.append(self._start_worker(self.preload_modules))
+
+    def _top_up(self) -> None:
+        with self._lock:
+            if self._fork_server is not None:  # None: disposed meanwhile
+                self._top_up_locked()
 
     def launch_run(self, context: LaunchRunContext) -> None:
         """Hand ``context``'s run to the spare worker and start the next spare.
@@ -205,9 +252,10 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return CheckRunHealthResult(WorkerStatus.RUNNING)
 
     def dispose(self) -> None:
-        """Stop the spares (a worker with a run keeps running it)."""
+        """Stop the spares and the fork server (a worker with a run keeps running it)."""
         with self._lock:
             spares, self._spares = self._spares, []
+            server, self._fork_server = self._fork_server, None
         for spare in spares:
             if spare.poll() is None:
                 spare.stdin.close()  # EOF: the spare exits without running anything
@@ -216,6 +264,162 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
                 spare.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 spare.kill()
+        if server is not None:
+            server.close()
+
+
+class _ForkedWorker:
+    """A worker forked by the fork server: what the launcher uses of a ``subprocess.Popen``
+    (``pid``, ``stdin``, ``stdout``, ``poll``, ``wait``, ``kill``). Its exit status comes from
+    the fork server, which is its parent and reaps it."""
+
+    def __init__(self, server: "_ForkServer", pid: int, stdin, stdout):
+        self.server, self.pid, self.stdin, self.stdout = server, pid, stdin, stdout
+
+    def poll(self) -> int | None:
+        return self.server.exit_code(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the fork server reported it (-1 when the server died first and
+        the process is gone: its status is lost).
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout`` seconds.
+        """
+        code = self.server.wait_exit(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"run worker pid {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _ForkServer:
+    """The launcher's side of the fork server (module docstring): a process that imports
+    ``modules`` and then forks a worker for each :meth:`spawn`, over a ``SOCK_SEQPACKET`` socket
+    pair. Messages from the server: ``ready`` or ``unsafe <why>`` once, ``pid <token> <pid>`` per
+    spawn, ``exit <pid> <status>`` per reaped worker. ``on_settled`` is called (on a thread of its
+    own) once the server can fork, or will not (unsafe, or gone while starting)."""
+
+    def __init__(self, modules: Sequence[str], on_settled):
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        command = [sys.executable, "-m", "flow_assets.runtime.run_launcher", "--fork-server", str(theirs.fileno()), *modules]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True)
+        theirs.close()
+        self._on_settled = on_settled
+        self._state = "starting"  # -> ready | unsafe | gone
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._send = threading.Lock()
+        self._token = 0
+        threading.Thread(target=self._read, name="flowopt-fork-server", daemon=True).start()
+
+    def starting(self) -> bool:
+        return self._state == "starting"
+
+    def ready(self) -> bool:
+        return self._state == "ready"
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._sock.recv(256).decode()
+            except OSError:
+                message = ""
+            kind, _, rest = message.partition(" ")
+            with self._cond:
+                settled = kind in ("", "ready", "unsafe") and self._state == "starting"
+                if not message:
+                    self._state = "gone"
+                elif kind == "ready":
+                    self._state = "ready"
+                elif kind == "unsafe":
+                    self._state = "unsafe"
+                    print(f"flowopt run launcher: the fork server will not fork ({rest}); spares are fresh interpreters", file=sys.stderr, flush=True)
+                elif kind == "pid":
+                    token, pid = rest.split()
+                    self._pids[int(token)] = int(pid)
+                elif kind == "exit":
+                    pid, code = rest.split()
+                    self._exits[int(pid)] = int(code)
+                self._cond.notify_all()
+            if settled:  # after the state changed: it tops the spares up
+                threading.Thread(target=self._on_settled, name="flowopt-spares", daemon=True).start()
+            if not message:
+                return
+
+    def spawn(self, preload: Sequence[str]) -> _ForkedWorker | None:
+        """A new forked worker that imports ``preload`` and then waits, as a fresh one would
+        (:func:`worker_main`); None if the server did not answer within 10 s (gone or stuck)."""
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        with self._send:
+            self._token += 1
+            token = self._token
+            try:
+                socket.send_fds(self._sock, [f"spawn {token} {' '.join(preload)}".encode()], [in_r, out_w])
+            except OSError:
+                token = None
+        os.close(in_r)
+        os.close(out_w)
+        if token is None:
+            os.close(in_w), os.close(out_r)
+            return None
+        with self._cond:
+            self._cond.wait_for(lambda: token in self._pids or self._state == "gone", timeout=10.0)
+            pid = self._pids.pop(token, None)
+        if pid is None:
+            os.close(in_w), os.close(out_r)
+            return None
+        return _ForkedWorker(self, pid, os.fdopen(in_w, "w"), os.fdopen(out_r, "r"))
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._cond:
+            if pid in self._exits:
+                return self._exits[pid]
+            return -1 if self._state == "gone" and not _alive(pid) else None
+
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.exit_code(pid)
+            if code is not None:
+                return code
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            with self._cond:
+                # a dead server reports nothing more: look at the process itself every second
+                self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+
+    def close(self) -> None:
+        """EOF to the server: it exits (its workers with runs keep running)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _is_ready(worker: subprocess.Popen) -> bool:
@@ -247,19 +451,32 @@ def _own_module_files() -> dict[str, float]:
 
 
 def worker_main(preload: Sequence[str]) -> None:
-    """The spare worker. Reads its instance (a serialized ``InstanceRef``, one line) from stdin,
-    imports ``preload``, opens the instance, prints the ready line, then waits for one
-    :class:`ExecuteRunArgs` line and executes that run the way ``dagster api execute_run`` does;
-    EOF before a run: exit 0. If the project's own code changed on disk since the imports, it
-    execs a cold ``dagster api execute_run`` instead (module docstring)."""
-    started = time.perf_counter()
+    """The spare worker as a fresh interpreter: stdin and stdout are the launcher's pipes
+    (:func:`spare_main`)."""
     # stdout is the pipe the launcher waits on for the ready line; everything else the worker and
     # its run print goes where the daemon's stderr goes (the code server's run processes print there)
     ready = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    instance_line = sys.stdin.readline()
+    code = spare_main(preload, sys.stdin, ready)
+    if code:
+        sys.exit(code)
+
+
+def spare_main(preload: Sequence[str], commands, ready) -> int:
+    """The spare worker. Reads its instance (a serialized ``InstanceRef``, one line) from
+    ``commands``, imports ``preload``, opens the instance, writes the ready line to ``ready`` and
+    closes it, then waits for one :class:`ExecuteRunArgs` line and executes that run the way
+    ``dagster api execute_run`` does; EOF before a run: returns 0. If the project's own code
+    changed on disk since it was imported (here or in the fork server), it execs a cold ``dagster
+    api execute_run`` instead (module docstring).
+
+    Returns:
+        The exit status: non-zero when the run failed.
+    """
+    started = time.perf_counter()
+    instance_line = commands.readline()
     if not instance_line.strip():
-        return
+        return 0
     for name in preload:
         try:
             importlib.import_module(name)
@@ -273,16 +490,78 @@ def worker_main(preload: Sequence[str]) -> None:
     with get_instance_for_cli(instance_ref=deserialize_value(instance_line.strip(), InstanceRef)) as instance:
         ready.write(f"{_READY} {time.perf_counter() - started:.2f}\n")
         ready.close()  # EOF for the launcher's watcher, which then waits for the exit
-        line = sys.stdin.readline()
+        line = commands.readline()
         if not line.strip():
-            return
+            return 0
         changed = [p for p, m in imported.items() if not os.path.exists(p) or os.stat(p).st_mtime != m]
         if changed:
             print(f"flowopt run worker: {len(changed)} source file(s) changed since preloading ({changed[0]}, ...): running cold", file=sys.stderr, flush=True)
+            sys.stdout.flush(), sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, "-m", "dagster", "api", "execute_run", line.strip()])
-        code = _execute_run(line.strip(), instance)
-    if code:
-        sys.exit(code)
+        return _execute_run(line.strip(), instance)
+
+
+def _fork_hazards() -> list[str]:
+    """Why forking this process now would be unsafe: a Python thread besides the main one, or a
+    native thread other than the interpreter's own (they are named like it: BLAS's pool, which
+    re-creates itself in a forked child) such as polars' allocator threads; [] when it is safe."""
+    hazards = [f"thread {t.name}" for t in threading.enumerate() if t is not threading.main_thread()]
+    try:
+        tasks = os.listdir("/proc/self/task")
+        main = Path("/proc/self/comm").read_text().strip()
+        hazards += [f"native thread {name}" for t in tasks if (name := Path(f"/proc/self/task/{t}/comm").read_text().strip()) != main]
+    except OSError:
+        pass
+    return hazards
+
+
+def fork_server_main(fd: int, modules: Sequence[str]) -> tuple[list[str], int, int] | None:
+    """The fork server: import ``modules``, say ``ready`` (or ``unsafe``, :func:`_fork_hazards`)
+    on the socket ``fd``, then fork a worker for each ``spawn`` message until EOF, reaping the
+    workers and reporting their exit status (:class:`_ForkServer`).
+
+    Returns:
+        In the server, at EOF: None. In a forked worker: ``(preload, commands fd, ready fd)``
+        for :func:`spare_main`, the worker having left the server's loop.
+    """
+    sock = socket.socket(fileno=fd)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            print(f"flowopt fork server: importing {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    hazards = _fork_hazards()
+    if hazards:
+        sock.send(f"unsafe {', '.join(hazards)}"[:250].encode())
+        while sock.recv(256):
+            pass
+        return None
+    sock.send(b"ready")
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.2)
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                sock.send(f"exit {pid} {os.waitstatus_to_exitcode(status)}".encode())
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        if not message:
+            return None
+        _, token, *preload = message.decode().split(" ")
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            os.setsid()  # own process group: terminating one run never signals another
+            if "numpy" in sys.modules:  # a fresh interpreter seeds it from the OS; Python's random reseeds itself at fork
+                sys.modules["numpy"].random.seed()
+            return [p for p in preload if p], fds[0], fds[1]
+        for f in fds:
+            os.close(f)
+        children.add(pid)
+        sock.send(f"pid {token} {pid}".encode())
 
 
 def _execute_run(serialized_args: str, instance) -> int:
@@ -299,4 +578,11 @@ def _execute_run(serialized_args: str, instance) -> int:
         return _execute_run_command_body(args.run_id, instance, lambda event: None, set_exit_code_on_failure=bool(args.set_exit_code_on_failure))
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1:])
+    if sys.argv[1:2] == ["--fork-server"]:
+        forked = fork_server_main(int(sys.argv[2]), sys.argv[3:])
+        if forked is not None:  # a worker: run as a spare, then exit as an interpreter does
+            preload, commands, ready = forked
+            os.dup2(2, 1)
+            sys.exit(spare_main(preload, os.fdopen(commands, "r"), os.fdopen(ready, "w")))
+    else:
+        worker_main(sys.argv[1:])

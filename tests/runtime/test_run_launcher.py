@@ -1,7 +1,9 @@
 """WarmRunLauncher on a real Dagster instance (SQLite on disk): each run gets a process of its own
 that was started ahead of time with its imports done, runs to its real end status, can be
 terminated, and a worker that dies fails its run instead of leaving it STARTED; a spare whose
-preloaded project code changed runs the run cold. The daemon-driven path is in test_deployment."""
+preloaded project code changed runs the run cold. Each with spares started as fresh interpreters
+and with spares forked by the fork server (which refuses to fork once a module started threads).
+The daemon-driven path is in test_deployment."""
 
 import os
 import subprocess
@@ -20,11 +22,12 @@ from flow_assets.runtime.run_launcher import PID_TAG, WARM_TAG, WarmRunLauncher
 JOBS = textwrap.dedent(
     """
     import os, time
+    import numpy as np
     from dagster import in_process_executor, job, op
 
     @op(config_schema={"out": str})
     def write_pid(context):
-        open(context.op_config["out"] + f"/{context.run_id}", "w").write(str(os.getpid()))
+        open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()}")
 
     @job(executor_def=in_process_executor)
     def quick():
@@ -50,8 +53,9 @@ JOBS = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def setup(tmp_path):
+# None: every spare a fresh interpreter; a list: the fork server's modules
+@pytest.fixture(params=[None, ["numpy", "dagster"]], ids=["fresh", "forked"])
+def setup(tmp_path, request):
     jobs = tmp_path / "jobs.py"
     jobs.write_text(JOBS)
     out = tmp_path / "out"
@@ -60,7 +64,7 @@ def setup(tmp_path):
     home.mkdir()
     (home / "dagster.yaml").write_text(
         "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
-        "  config: {preload_modules: [dagster], spares: 2}\n"
+        "  config: {preload_modules: [dagster], spares: 2" + (f", fork_server_modules: {request.param}" if request.param else "") + "}\n"
     )
     instance = DagsterInstance.from_config(str(home))
     yield instance, jobs, out
@@ -102,10 +106,15 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     second = _launch(instance, jobs, "quick", config)
     run = _wait(instance, second, FINISHED)
     assert run.status == DagsterRunStatus.SUCCESS
-    pids = [int((out / r).read_text()) for r in (first, second)]
-    # the op ran in the worker the launcher named, a different process per run
+    written = [(out / r).read_text().split() for r in (first, second)]
+    pids = [int(w[0]) for w in written]
+    # the op ran in the worker the launcher named, a different process per run, each the leader of
+    # a session of its own (terminating one run signals no other), numpy seeded afresh in each
     assert pids == [int(instance.get_run_by_id(r).tags[PID_TAG]) for r in (first, second)]
-    assert pids[0] != pids[1]
+    assert pids[0] != pids[1] and [int(w[1]) for w in written] == pids
+    assert written[0][2] != written[1][2]
+    server = instance.run_launcher._fork_server
+    assert (server is not None and server.ready()) == (instance.run_launcher.fork_server_modules != ())
     assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
     assert run.tags[WARM_TAG] == "true"
     messages = _messages(instance, second)
@@ -150,3 +159,35 @@ def test_a_spare_whose_project_code_changed_runs_cold(tmp_path):
     assert "source file(s) changed since preloading" in err and "stale_mod.py" in err
     assert worker.returncode != 0 and "no-such-run" in err  # the cold `dagster api execute_run` looked for the run
     instance.dispose()
+
+
+def test_a_fork_server_whose_imports_started_threads_does_not_fork(tmp_path):
+    """polars starts its allocator's threads when imported: forking after that is unsafe, so the
+    server says so and the spares are fresh interpreters; runs still succeed."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
+        "  config: {preload_modules: [dagster], spares: 1, fork_server_modules: [polars]}\n"
+    )
+    instance = DagsterInstance.from_config(str(home))
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {"ops": {"write_pid": {"config": {"out": str(out)}}}}
+    try:
+        first = _launch(instance, jobs, "quick", config)
+        assert _wait(instance, first, FINISHED).status == DagsterRunStatus.SUCCESS
+        server = instance.run_launcher._fork_server
+        deadline = time.monotonic() + 60
+        while server.starting() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not server.ready() and not server.starting()
+        time.sleep(1.0)
+        second = _launch(instance, jobs, "quick", config)
+        assert _wait(instance, second, FINISHED).status == DagsterRunStatus.SUCCESS
+        assert instance.get_run_by_id(second).tags[WARM_TAG] == "true"  # a fresh-interpreter spare
+    finally:
+        instance.run_launcher.dispose()
+        instance.dispose()
