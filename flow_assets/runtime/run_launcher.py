@@ -540,14 +540,17 @@ def fork_server_main(fd: int, modules: Sequence[str]) -> tuple[list[str], int, i
     children: set[int] = set()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.2)
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                sock.send(f"exit {pid} {os.waitstatus_to_exitcode(status)}".encode())
-        if not readable:
-            continue
-        message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        try:
+            for pid in list(children):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    children.discard(pid)
+                    sock.send(f"exit {pid} {os.waitstatus_to_exitcode(status)}".encode())
+            if not readable:
+                continue
+            message, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        except OSError:  # the launcher is gone (its process ended): so is the server; runs go on
+            return None
         if not message:
             return None
         _, token, *preload = message.decode().split(" ")
@@ -561,7 +564,10 @@ def fork_server_main(fd: int, modules: Sequence[str]) -> tuple[list[str], int, i
         for f in fds:
             os.close(f)
         children.add(pid)
-        sock.send(f"pid {token} {pid}".encode())
+        try:
+            sock.send(f"pid {token} {pid}".encode())
+        except OSError:
+            return None
 
 
 def _execute_run(serialized_args: str, instance) -> int:
