@@ -17,10 +17,9 @@ constant is run as it is, at its own loop time, with a warning.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
-from flow_assets.settings import DEFAULT_SENSOR_LOOP_SECONDS, process_settings
+from flow_assets.settings import DEFAULT_SENSOR_LOOP_SECONDS
 
 
 def set_sensor_loop(seconds: float) -> bool:
@@ -66,18 +65,3 @@ def run_daemon(argv: list[str], sensor_loop_seconds: float = DEFAULT_SENSOR_LOOP
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flow_assets.runtime.daemon ARGS``: :func:`run_daemon` with ``ARGS`` (default:
-    this process's arguments) and the process settings' ``sensor_loop_seconds``
-    (``FLOWOPT_SENSOR_LOOP_SECONDS``).
-
-    Raises:
-        ValueError: ``FLOWOPT_SENSOR_LOOP_SECONDS`` is not a number of seconds in (0, 61).
-    """
-    return run_daemon(sys.argv[1:] if argv is None else argv, process_settings().sensor_loop_seconds)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

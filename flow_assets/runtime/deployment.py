@@ -30,8 +30,8 @@ class DeploymentError(RuntimeError):
 
 
 class Daemon:
-    """``dagster-daemon run -w workspace.yaml`` (through :mod:`flow_assets.runtime.daemon`, so that
-    ``FLOWOPT_SENSOR_LOOP_SECONDS`` in ``env`` sets its sensor loop) in its own process group, with
+    """``flowopt daemon run -w workspace.yaml`` (``dagster-daemon`` whose sensor loop
+    ``FLOWOPT_SENSOR_LOOP_SECONDS`` in ``env`` sets: :mod:`flow_assets.runtime.daemon`) in its own process group, with
     ``env`` added to this process's environment; its output goes to ``log_path``. A context
     manager: stopped (SIGTERM to its group, then SIGKILL after ``stop_timeout`` seconds) on exit."""
 
@@ -43,7 +43,7 @@ class Daemon:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flow_assets.runtime.daemon", "run", "-w", str(REPO_ROOT / "workspace.yaml")],
+            [sys.executable, "-m", "flow_assets.cli", "daemon", "run", "-w", str(REPO_ROOT / "workspace.yaml")],
             cwd=REPO_ROOT, env=child_environ(self.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()
