@@ -29,11 +29,13 @@ TORCH_SPEC ?= torch==2.13.0
 # seen 2026-11-27): build for AVX2 instead, without the wheel cache (it may hold a native build)
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
-# the suite in one process per core, a test file per worker (its module fixtures built once);
-# most of the suite's time is waiting on daemons, servers and subprocesses, not CPU
+# the suite in one process per core and one more, a test file per worker (its module fixtures
+# built once): with one per core the cores were idle 28% of the run, the workers waiting on
+# daemons, sensors and servers; one more kept them busy and the suite took 920 s, not 1,027 s
 # (docs/development.md). The slowest files go first, in tests/conftest.py's order (xdist's own
 # reorders files by their number of tests). PYTEST_PARALLEL= runs it in one process.
-PYTEST_PARALLEL ?= --numprocesses auto --dist loadfile --no-loadscope-reorder
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+PYTEST_PARALLEL ?= --numprocesses $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install install-bfcl install-bfcl-cli bfcl-entry-point demo demo-real demo-bfcl demo-logs demo-text demo-prompt test ui bench clean
 

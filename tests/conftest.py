@@ -41,6 +41,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+#: files whose tests share a session fixture too costly to build twice at once: they run on one
+#: xdist worker, one after the other. The Ray tests' cluster (``tests/cluster/conftest.py``) is a
+#: head, its GCS, raylet and worker processes: two of them started together on two workers took
+#: 127-148 s per test against 38-102 s alone (three workers, 2026-11-29)
+SAME_WORKER = {"tests/cluster/test_ray_training.py": "tests/cluster", "tests/cluster/test_ray_rollouts.py": "tests/cluster"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` handed out as one unit (xdist's
+    own hook for a custom scheduler; any other ``--dist`` keeps xdist's scheduler)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return SharedFixtureFileScheduling(config, log)
+
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TAU_BENCH = SHARED_DATA / "tau-bench" / "gpt-4o-airline.json"
 

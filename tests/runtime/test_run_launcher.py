@@ -89,6 +89,21 @@ def _wait(instance, run_id, statuses, timeout=120):
     raise AssertionError(f"run {run_id} still {instance.get_run_by_id(run_id).status} after {timeout} s")
 
 
+def _wait_for_a_ready_spare(launcher, timeout=120):
+    """Blocks until one of ``launcher``'s spares has printed its ready line (its imports done):
+    how long that takes depends on what else the machine runs (a fixed 1 s wait failed under a
+    three-worker suite, 2026-11-29), so the tests that expect a warm hand-off wait for it."""
+    from flow_assets.runtime.run_launcher import _is_ready
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with launcher._lock:
+            if any(w.poll() is None and _is_ready(w) for w in launcher._spares):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no spare of the launcher was ready after {timeout} s")
+
+
 def _messages(instance, run_id):
     return [(e.dagster_event.message if e.dagster_event else None) or e.user_message for e in instance.all_logs(run_id)]
 
@@ -102,7 +117,7 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     config = {"ops": {"write_pid": {"config": {"out": str(out)}}}}
     first = _launch(instance, jobs, "quick", config)
     assert _wait(instance, first, FINISHED).status == DagsterRunStatus.SUCCESS
-    time.sleep(1.0)  # let the spare started at the first launch finish its imports
+    _wait_for_a_ready_spare(instance.run_launcher)  # the spare started at the first launch
     second = _launch(instance, jobs, "quick", config)
     run = _wait(instance, second, FINISHED)
     assert run.status == DagsterRunStatus.SUCCESS
@@ -184,7 +199,7 @@ def test_a_fork_server_whose_imports_started_threads_does_not_fork(tmp_path):
         while server.starting() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not server.ready() and not server.starting()
-        time.sleep(1.0)
+        _wait_for_a_ready_spare(instance.run_launcher)
         second = _launch(instance, jobs, "quick", config)
         assert _wait(instance, second, FINISHED).status == DagsterRunStatus.SUCCESS
         assert instance.get_run_by_id(second).tags[WARM_TAG] == "true"  # a fresh-interpreter spare
