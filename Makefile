@@ -30,7 +30,7 @@ TORCH_SPEC ?= torch==2.13.0
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 # the suite in one process per core and one more, a test file per worker (its module fixtures
-# built once): with one per core the cores were idle 28% of the run, the workers waiting on
+# built once): with one per core the cores were idle 28% of the time, the workers waiting on
 # daemons, sensors and servers; one more kept them busy and the suite took 920 s, not 1,027 s
 # (docs/development.md). The slowest files go first, in tests/conftest.py's order (xdist's own
 # reorders files by their number of tests). PYTEST_PARALLEL= runs it in one process.
