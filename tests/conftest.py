@@ -43,8 +43,9 @@ def pytest_collection_modifyitems(config, items):
 
 #: files whose tests share a session fixture too costly to build twice at once: they run on one
 #: xdist worker, one after the other. The Ray tests' cluster (``tests/cluster/conftest.py``) is a
-#: head, its GCS, raylet and worker processes: two of them started together on two workers took
-#: 127-148 s per test against 38-102 s alone (three workers, 2026-11-29)
+#: head, its GCS, raylet and worker processes (49-74 s to start beside the other workers); on two
+#: workers it was started twice, at the same time. Their tests stay slow beside two other workers
+#: all the same (68-190 s each from a fresh clone, 2026-11-29; 38-102 s beside one)
 SAME_WORKER = {"tests/cluster/test_ray_training.py": "tests/cluster", "tests/cluster/test_ray_rollouts.py": "tests/cluster"}
 
 
