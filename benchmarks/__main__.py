@@ -1,7 +1,7 @@
 """``python -m benchmarks`` (``make bench``): run every benchmark, write ``results/latest.json`` and
 ``results/latest.md``, print the table.
 
-    python -m benchmarks                      # every benchmark at full size (under 20 minutes)
+    python -m benchmarks                      # every benchmark at full size (33 minutes on 2 cores, 12 of them the data plane)
     python -m benchmarks --quick              # smallest sizes, one repeat: proves they still run
     python -m benchmarks --only data_plane --only collection
     python -m benchmarks --threads 2 --out /tmp/bench
