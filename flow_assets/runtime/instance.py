@@ -63,14 +63,16 @@ def mark_checked(path: str) -> None:
         _initialised.add(path)
 
 
-class CheckedSqliteRunStorage(SqliteRunStorage):
-    """Dagster's SQLite run storage (``<base_dir>/runs.db``), its schema checked once per process."""
+class _CheckedOnceFromLocal:
+    """``from_local`` of a single-file Dagster SQLite storage (``<base_dir>/<_db_name>.db``):
+    through Dagster's check (which creates a new database) the first time in this process,
+    directly afterwards."""
+
+    _db_name: str
 
     @classmethod
     def from_local(cls, base_dir: str, inst_data: ConfigurableClassData | None = None):
-        """Opens ``<base_dir>/runs.db``: through Dagster's check (which creates a new database)
-        the first time in this process, directly afterwards."""
-        conn_string = create_db_conn_string(base_dir, "runs")
+        conn_string = create_db_conn_string(base_dir, cls._db_name)
         path = _db_path(conn_string)
         if schema_checked(path):
             return cls(conn_string, inst_data)
@@ -84,25 +86,17 @@ class CheckedSqliteRunStorage(SqliteRunStorage):
         return cls.from_local(inst_data=inst_data, **config_value)
 
 
-class CheckedSqliteScheduleStorage(SqliteScheduleStorage):
+class CheckedSqliteRunStorage(_CheckedOnceFromLocal, SqliteRunStorage):
+    """Dagster's SQLite run storage (``<base_dir>/runs.db``), its schema checked once per process."""
+
+    _db_name = "runs"
+
+
+class CheckedSqliteScheduleStorage(_CheckedOnceFromLocal, SqliteScheduleStorage):
     """Dagster's SQLite schedule and sensor storage (``<base_dir>/schedules.db``), its schema
     checked once per process."""
 
-    @classmethod
-    def from_local(cls, base_dir: str, inst_data: ConfigurableClassData | None = None):
-        """Opens ``<base_dir>/schedules.db`` as :meth:`CheckedSqliteRunStorage.from_local` does."""
-        conn_string = create_db_conn_string(base_dir, "schedules")
-        path = _db_path(conn_string)
-        if schema_checked(path):
-            return cls(conn_string, inst_data)
-        storage = super().from_local(base_dir, inst_data)
-        mark_checked(path)
-        return storage
-
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):
-        """Built from ``dagster.yaml`` data: ``{"base_dir": directory}`` (Dagster's own names its class)."""
-        return cls.from_local(inst_data=inst_data, **config_value)
+    _db_name = "schedules"
 
 
 class CheckedSqliteEventLogStorage(SqliteEventLogStorage):
