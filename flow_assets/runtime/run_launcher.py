@@ -7,8 +7,9 @@ times per training round (collect, data plane, round, history). :class:`WarmRunL
 *spare* worker: a fresh interpreter (started with ``subprocess``, never forked, so the daemon's
 threads do not matter) that has already imported ``preload_modules`` and waits on its stdin.
 Launching a run hands the spare the run's :class:`ExecuteRunArgs` (what ``dagster api
-execute_run`` takes) and starts the next spare, so the import cost is paid while the previous run
-works, not on the critical path. When no spare has finished its imports (a burst of launches),
+execute_run`` takes) and starts the next spare (``spare_delay_seconds`` later, so that its imports
+do not compete with the start of the run just handed over), so the import cost is paid while the
+previous run works, not on the critical path. When no spare has finished its imports (a burst of launches),
 the run goes to a new worker that preloads nothing and imports what its steps need, as under the
 default launcher. Every run still gets a process of its own that nothing ran in
 before: the isolation of the default launcher is kept.
@@ -39,6 +40,7 @@ Configured in ``dagster.yaml``::
       config:
         fork_server_modules: [torch, transformers, peft]
         preload_modules: [flow_assets.definitions]
+        spare_delay_seconds: 2
 
 Nothing is started until the first launch, so processes that only load the instance (the
 webserver, ``dagster definitions validate``, tests) pay nothing.
@@ -85,24 +87,33 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             refresh and the next collection; a short data-plane run then the training round)
             each find one whose imports are done with 2; with 1 the second goes to a new worker
             that imports what its steps need.
+        spare_delay_seconds: seconds after a launch before the spare it used is replaced (>= 0;
+            0, the default: at once). A new spare's fork and imports take 1-2 s of CPU; on a
+            2-core machine, started at once they competed with the start of the run just handed
+            over (docs/benchmarks.md).
 
     Raises:
-        dagster_shared.check.CheckError: ``spares`` < 1 or not an int.
+        dagster_shared.check.CheckError: ``spares`` < 1 or not an int; ``spare_delay_seconds`` < 0.
         dagster.DagsterInvariantViolationError: from ``launch_run`` when the run has no code origin.
     """
 
     def __init__(
-        self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1, fork_server_modules: Sequence[str] = ()
+        self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1, fork_server_modules: Sequence[str] = (),
+        spare_delay_seconds: float = 0.0,
     ):
         self._inst_data = inst_data
         self.preload_modules = tuple(check.sequence_param(preload_modules, "preload_modules", of_type=str))
         self.fork_server_modules = tuple(check.sequence_param(fork_server_modules, "fork_server_modules", of_type=str))
         self.spares = check.int_param(spares, "spares")
         check.invariant(self.spares >= 1, f"WarmRunLauncher: spares must be >= 1, got {spares}")
+        self.spare_delay_seconds = float(check.numeric_param(spare_delay_seconds, "spare_delay_seconds"))
+        check.invariant(self.spare_delay_seconds >= 0, f"WarmRunLauncher: spare_delay_seconds must be >= 0, got {spare_delay_seconds}")
         self._lock = threading.Lock()
         self._spares: list = []  # subprocess.Popen or _ForkedWorker
         self._workers: dict = {}
         self._fork_server: _ForkServer | None = None
+        self._top_up_timers: list[threading.Timer] = []
+        self._disposed = False
         super().__init__()
 
     @property
@@ -117,13 +128,14 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             "preload_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
             "spares": Field(int, is_required=False, default_value=1),
             "fork_server_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
+            "spare_delay_seconds": Field(float, is_required=False, default_value=0.0),
         }
 
     @classmethod
     def from_config_value(cls, inst_data: ConfigurableClassData, config_value: Mapping[str, Any]) -> "WarmRunLauncher":
         return cls(
             inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1),
-            fork_server_modules=config_value.get("fork_server_modules") or [],
+            fork_server_modules=config_value.get("fork_server_modules") or [], spare_delay_seconds=config_value.get("spare_delay_seconds", 0.0),
         )  # fmt: skip
 
     def _start_worker(self, preload: Sequence[str]):
@@ -147,7 +159,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         """The oldest spare whose imports are done; if none is, a new *lean* worker that
         preloads nothing (a run imports what its steps need, as under Dagster's default
         launcher: a burst of launches, e.g. nine landed log files, must not wait for nine copies
-        of torch). The spares are topped up to ``spares`` either way."""
+        of torch). The spares are topped up to ``spares`` either way, ``spare_delay_seconds`` later."""
         with self._lock:
             if self.fork_server_modules and self._fork_server is None:
                 # its imports run beside this first run; the spares after it are forked
@@ -159,7 +171,14 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
                 self._spares.remove(worker)
             else:
                 worker = self._start_worker(())
-            self._top_up_locked()
+            if self.spare_delay_seconds > 0:
+                self._top_up_timers = [t for t in self._top_up_timers if t.is_alive()]
+                timer = threading.Timer(self.spare_delay_seconds, self._top_up)
+                timer.daemon = True
+                self._top_up_timers.append(timer)
+                timer.start()
+            else:
+                self._top_up_locked()
         return worker
 
     def _top_up_locked(self) -> None:
@@ -172,7 +191,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
 
     def _top_up(self) -> None:
         with self._lock:
-            if self._fork_server is not None:  # None: disposed meanwhile
+            if not self._disposed:
                 self._top_up_locked()
 
     def launch_run(self, context: LaunchRunContext) -> None:
@@ -254,6 +273,9 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
     def dispose(self) -> None:
         """Stop the spares and the fork server (a worker with a run keeps running it)."""
         with self._lock:
+            self._disposed = True
+            for timer in self._top_up_timers:
+                timer.cancel()
             spares, self._spares = self._spares, []
             server, self._fork_server = self._fork_server, None
         for spare in spares:

@@ -206,3 +206,52 @@ def test_a_fork_server_whose_imports_started_threads_does_not_fork(tmp_path):
     finally:
         instance.run_launcher.dispose()
         instance.dispose()
+
+
+def _delayed_instance(tmp_path, name, delay):
+    home = tmp_path / name
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
+        f"  config: {{preload_modules: [dagster], spares: 1, spare_delay_seconds: {delay}}}\n"
+    )
+    return DagsterInstance.from_config(str(home))
+
+
+def test_the_used_spare_is_replaced_spare_delay_seconds_after_a_launch(tmp_path):
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {"ops": {"write_pid": {"config": {"out": str(out)}}}}
+    instance = _delayed_instance(tmp_path, "home", 3.0)
+    launcher = instance.run_launcher
+    try:
+        assert launcher.spare_delay_seconds == 3.0
+        launched = time.monotonic()
+        first = _launch(instance, jobs, "quick", config)
+        with launcher._lock:
+            spares = list(launcher._spares)
+        if time.monotonic() - launched < 2.5:  # a stalled machine could pass the delay here
+            assert spares == []  # not replaced at once: the new spare would compete with the run's start
+        assert _wait(instance, first, FINISHED).status == DagsterRunStatus.SUCCESS
+        _wait_for_a_ready_spare(launcher)  # replaced after the delay
+        second = _launch(instance, jobs, "quick", config)
+        assert _wait(instance, second, FINISHED).tags[WARM_TAG] == "true"
+    finally:
+        launcher.dispose()
+        instance.dispose()
+
+    # a replacement still waiting when the launcher is disposed is never started
+    other = _delayed_instance(tmp_path, "other", 0.5)
+    try:
+        third = _launch(other, jobs, "quick", config)
+        other.run_launcher.dispose()
+        time.sleep(1.5)
+        assert other.run_launcher._spares == []
+        assert _wait(other, third, FINISHED).status == DagsterRunStatus.SUCCESS
+    finally:
+        other.dispose()
+
+    with pytest.raises(Exception, match="spare_delay_seconds must be >= 0"):
+        WarmRunLauncher(spare_delay_seconds=-1)
