@@ -58,10 +58,10 @@ def test_repository_yaml_builds_flowopt_instance_with_dagsters_sqlite_layout(tmp
         instance.add_dynamic_partitions("log_batches", ["b1"])
     finally:
         instance.dispose()
-    # Dagster's own layout: a plain DagsterInstance over the same directory sees the run
+    # Dagster's own layout: a plain DagsterInstance (no config file: Dagster's defaults) over the
+    # same directory sees the run and the partition
     for name in ("history/runs.db", "history/runs/index.db", "schedules/schedules.db"):
         assert (home / name).is_file(), name
-    # no such file: Dagster's defaults, a plain DagsterInstance
     plain = DagsterInstance.from_ref(InstanceRef.from_dir(str(home), config_filename="absent.yaml"))
     try:
         assert type(plain) is DagsterInstance
@@ -85,8 +85,7 @@ def test_schema_checked_once_per_process_then_again_when_the_file_is_gone(tmp_pa
             instance.dispose()
 
     build_and_query()
-    first = sorted(alembic_checks)
-    assert {"runs.db", "schedules.db", "index.db"} <= set(first)
+    assert {"runs.db", "schedules.db", "index.db"} <= set(alembic_checks)
     alembic_checks.clear()
     for _ in range(3):
         build_and_query()
