@@ -7,10 +7,9 @@ every module of the code location so that no new mutation slips in.
 """
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.fresh import call_in_fresh_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flow_assets", "resources", "sensors")
@@ -59,16 +58,5 @@ def scan() -> dict[str, list[int]]:
 
 
 def test_no_module_of_the_code_location_changes_the_process_environment():
-    # Scanned in a fresh interpreter: CPython 3.11's AST constructor keeps its recursion depth in
-    # state that another thread's compile can move (python/cpython#106905), and in a pytest worker
-    # a thread left by an earlier test may be importing a module (and so compiling it: no .pyc
-    # with PYTHONDONTWRITEBYTECODE) at that moment: the scan failed once with "SystemError: AST
-    # constructor recursion depth mismatch" from a clean clone's `.ci/run` (2026-11-29).
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout)
+    found = call_in_fresh_interpreter(scan)  # ast.parse beside other threads: tests/fresh.py
     assert found == {}, f"pass the setting explicitly instead of changing os.environ: {found}"
-
-
-if __name__ == "__main__":
-    print(json.dumps(scan()))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from flow_assets.settings import DEFAULT_LAKE, DEFAULT_LANDING, Settings, child_environ, variables
+from tests.fresh import call_in_fresh_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("flow_assets", "resources", "sensors")
@@ -36,18 +37,21 @@ def test_the_detector_finds_every_form_of_reading_the_environment():
     assert environment_reads(source) == [3, 4, 5, 6]
 
 
-def test_only_the_settings_module_reads_the_environment():
-    found = [
+def environment_readers() -> list[str]:
+    """``path:line`` of every environment read (:func:`environment_reads`) in the code location
+    outside the settings module."""
+    return [
         f"{path.relative_to(REPO)}:{line}"
         for package in PACKAGES
         for path in sorted((REPO / package).rglob("*.py"))
         if path != SETTINGS_MODULE
         for line in environment_reads(path.read_text(encoding="utf-8"))
     ]
-    assert found == [], f"read the environment through flow_assets.settings.Settings (or child_environ for a subprocess): {found}"
 
 
-def test_only_the_settings_module_parses_the_project_settings_file():
+def settings_file_parsers() -> list[str]:
+    """``path:line`` of every import of a TOML parser in the code location outside the settings
+    module."""
     parsers = {"tomllib", "tomli", "toml"}
     found = []
     for package in PACKAGES:
@@ -56,6 +60,16 @@ def test_only_the_settings_module_parses_the_project_settings_file():
                 names = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 if path != SETTINGS_MODULE and parsers & set(names):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_only_the_settings_module_reads_the_environment():
+    found = call_in_fresh_interpreter(environment_readers)  # ast.parse beside other threads: tests/fresh.py
+    assert found == [], f"read the environment through flow_assets.settings.Settings (or child_environ for a subprocess): {found}"
+
+
+def test_only_the_settings_module_parses_the_project_settings_file():
+    found = call_in_fresh_interpreter(settings_file_parsers)
     assert found == [], f"read .flowopt.toml through flow_assets.settings.Settings.load: {found}"
 
 
