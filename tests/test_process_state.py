@@ -3,7 +3,8 @@
 The gateway samples in its own thread while a run evaluates, and httpx, transformers and Dagster
 read ``os.environ`` whenever they like: a variable set and deleted around a call crashed a demo
 (``KeyError`` inside httpx's proxy lookup). A setting is passed explicitly instead; this test reads
-every module of the code location so that no new mutation slips in.
+every module of the code location so that no new mutation slips in. The warning filters are
+process-wide too: ``warnings.catch_warnings`` swaps them, so it is refused as well.
 """
 
 import ast
@@ -46,17 +47,45 @@ def test_the_scanner_finds_every_shape_of_mutation():
     assert environment_mutations(source) == [2, 3, 4, 5, 6]
 
 
-def scan() -> dict[str, list[int]]:
-    """Every module of :data:`PACKAGES` with its :func:`environment_mutations` (path relative to
-    the repository -> line numbers), modules without any left out."""
-    return {
-        str(path.relative_to(ROOT)): lines
-        for package in PACKAGES
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if (lines := environment_mutations(path.read_text()))
-    }
+def scan() -> dict[str, dict[str, list[int]]]:
+    """Every module of :data:`PACKAGES` read by each finder (:func:`environment_mutations`,
+    :func:`filter_swaps`): finder name -> (path relative to the repository -> line numbers),
+    modules without any left out."""
+    finders = {"environment_mutations": environment_mutations, "filter_swaps": filter_swaps}
+    found: dict[str, dict[str, list[int]]] = {name: {} for name in finders}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.read_text()
+            for name, finder in finders.items():
+                if lines := finder(source):
+                    found[name][str(path.relative_to(ROOT))] = lines
+    return found
 
 
 def test_no_module_of_the_code_location_changes_the_process_environment():
-    found = call_in_fresh_interpreter(scan)  # ast.parse beside other threads: tests/fresh.py
+    found = call_in_fresh_interpreter(scan)["environment_mutations"]  # ast.parse beside other threads: tests/fresh.py
     assert found == {}, f"pass the setting explicitly instead of changing os.environ: {found}"
+
+
+def filter_swaps(source: str) -> list[int]:
+    """Line numbers of ``warnings.catch_warnings(...)`` in ``source``: it saves and restores the
+    process-wide warning filters on entry and exit, so two threads using it at once (agents
+    calling a tool) can leave either one's filters in place for everybody."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "catch_warnings"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "warnings"
+    ]
+
+
+def test_the_filter_scanner_finds_catch_warnings():
+    assert filter_swaps("import warnings\nwith warnings.catch_warnings():\n    pass\nwarnings.warn('x')\n") == [2]
+
+
+def test_no_module_of_the_code_location_swaps_the_warning_filters():
+    found = call_in_fresh_interpreter(scan)["filter_swaps"]
+    assert found == {}, f"warnings.catch_warnings is not thread-safe; avoid the warning instead: {found}"

@@ -16,11 +16,9 @@ shares an expression with the train split.
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 import random
-import warnings
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,31 +38,96 @@ CALCULATOR_TOOL: dict[str, Any] = {
     },
 }
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _MAX_EXPRESSION = 64
+_TOKEN = re.compile(r"([0-9]+)|(\S)")  # whitespace between tokens is skipped
 
 
-def _evaluate(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_evaluate(node.operand)
-    raise ValueError("only integers, + - * and parentheses are allowed")
+class _Expression:
+    """Integer arithmetic, parsed and evaluated at once by recursive descent (Python's
+    precedence: unary minus over ``*`` over ``+`` / ``-``, left to right)::
+
+        expression := term (("+" | "-") term)*
+        term       := factor ("*" factor)*
+        factor     := "-" factor | integer | "(" expression ")"
+
+    Pure and thread-safe: the agents call the tool from many threads at once. ``ast.parse`` is
+    not (CPython 3.11 raises a spurious ``SystemError`` when threads compile at the same time,
+    python/cpython#106905), nor is silencing its ``SyntaxWarning`` (``warnings.catch_warnings``
+    swaps process-wide filters). Depth is bounded by the expression's length.
+
+    Raises:
+        SyntaxError: not an expression of that grammar (a message with the position).
+        ValueError: a character no integer arithmetic uses (``/``, ``**``, names, ...).
+    """
+
+    def __init__(self, text: str):
+        self.tokens: list[tuple[int, str]] = []  # (position, token)
+        for match in _TOKEN.finditer(text):
+            if match.group(1) is not None:
+                self.tokens.append((match.start(1), match.group(1)))
+            elif match.group(2) is not None:
+                char = match.group(2)
+                if char not in "+-*()":
+                    raise ValueError(f"{char!r} at position {match.start(2)}: only integers, + - * and parentheses are allowed")
+                self.tokens.append((match.start(2), char))
+        self.at = 0
+        self.end = len(text)
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.at][1] if self.at < len(self.tokens) else None
+
+    def _fail(self, expected: str) -> SyntaxError:
+        where, found = self.tokens[self.at] if self.at < len(self.tokens) else (self.end, "the end")
+        return SyntaxError(f"expected {expected} at position {where}, found {found!r}" if found != "the end" else f"expected {expected} at the end")
+
+    def value(self) -> int:
+        result = self._expression()
+        if self._peek() is not None:
+            raise self._fail("an operator")
+        return result
+
+    def _expression(self) -> int:
+        result = self._term()
+        while (op := self._peek()) in ("+", "-"):
+            self.at += 1
+            right = self._term()
+            result = result + right if op == "+" else result - right
+        return result
+
+    def _term(self) -> int:
+        result = self._factor()
+        while self._peek() == "*":
+            self.at += 1
+            result *= self._factor()
+        return result
+
+    def _factor(self) -> int:
+        token = self._peek()
+        if token == "-":
+            self.at += 1
+            return -self._factor()
+        if token == "(":
+            self.at += 1
+            result = self._expression()
+            if self._peek() != ")":
+                raise self._fail("')'")
+            self.at += 1
+            return result
+        if token is not None and token.isdigit():
+            self.at += 1
+            return int(token)
+        raise self._fail("an integer or '('")
 
 
 def calculator(expression: str) -> str:
-    """The tool: the exact integer value of ``expression``, or a message starting with ``Error``
-    (the convention that marks a failed tool call in the logs). Never raises."""
+    """The tool: the exact integer value of ``expression`` (integers, ``+ - *``, unary minus,
+    parentheses; at most 64 characters), or a message starting with ``Error`` (the convention
+    that marks a failed tool call in the logs). Never raises; safe to call from many threads."""
     if not isinstance(expression, str) or not expression.strip() or len(expression) > _MAX_EXPRESSION:
         return f"Error: expected an expression of 1-{_MAX_EXPRESSION} characters"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SyntaxWarning)  # e.g. "12abc": the error below says it
-            tree = ast.parse(expression.strip(), mode="eval")
-        return str(_evaluate(tree.body))
-    except (SyntaxError, ValueError, RecursionError) as exc:
+        return str(_Expression(expression).value())
+    except (SyntaxError, ValueError) as exc:
         return f"Error: {exc.__class__.__name__}: {exc}"
 
 
