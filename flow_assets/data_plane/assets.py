@@ -31,7 +31,7 @@ from dagster import (
 from pydantic import Field
 
 from flow_assets.core.config import dagster_config
-from flow_assets.logs.chunks import ordered_map, read_chunks, worker_count
+from flow_assets.logs.chunks import read_chunks, worker_count
 from flow_assets.logs.records import display_path
 from flow_assets.logs.redact import DEFAULT_FIELDS, DEFAULT_PATTERNS, RedactionConfig, Redactor
 from flow_assets.logs.schema import Trajectory
@@ -44,7 +44,6 @@ from flow_assets.logs.tables import (
     interaction_logs_frame,
     quarantine_frame,
     trajectory_tables,
-    trajectory_tables_arrow,
 )
 from flow_assets.core.metadata import histogram_markdown, preview_table
 from flow_assets.core.partitions import log_batches
@@ -179,41 +178,20 @@ def interaction_logs(
     )
 
 
-class TrajectoriesConfig(Config):
-    """How a batch's records become the trajectories and steps tables."""
-
-    workers: int = Field(
-        0,
-        ge=0,
-        description="processes that build the tables from the records in parallel, a chunk of records each; "
-        "0 = one per CPU core when the batch's file is at least 32 MiB and none below, 1 = in this process only",
-    )
-
-
 @asset(partitions_def=log_batches, group_name=GROUP, kinds={"parquet"}, deps=[interaction_logs], owners=DATA_OWNERS,
        code_version=code_version("flow_assets.logs.tables", "flow_assets.logs.schema"))
-def trajectories(context: AssetExecutionContext, config: TrajectoriesConfig, lake: TrajectoryLake) -> MaterializeResult:
-    """Canonical tables trajectories (one row per trajectory) and steps (one per step); for a
-    large batch built by worker processes, chunk by chunk, written in the records' order."""
+def trajectories(context: AssetExecutionContext, lake: TrajectoryLake) -> MaterializeResult:
+    """Canonical tables trajectories (one row per trajectory) and steps (one per step)."""
     key = context.partition_key
     source = lake.batch_manifest(key).source
-    workers = worker_count(config.workers, lake.batch_snapshot(key))
-    # to_list() converts the column in one call: iterating a polars Series value by value cost
-    # ~7x as much (2.0 s vs 0.28 s per 1M steps)
-    texts = (c["record_json"].to_list() for c in lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"]))
-    if workers >= 2:
-        # the per-step Python loop is most of this asset's time, on one core: spread it like the parse
-        parts = (
-            (pl.from_arrow(traj), pl.from_arrow(steps))
-            for _, (traj, steps) in ordered_map(partial(trajectory_tables_arrow, source=source), texts, workers)
-        )
-    else:
-        parts = (trajectory_tables(chunk, source) for chunk in texts)
     with (
         lake.partition_writer("trajectories", key, TRAJECTORIES_SCHEMA) as traj_out,
         lake.partition_writer("steps", key, STEPS_SCHEMA) as steps_out,
     ):
-        for traj, steps in parts:
+        for chunk in lake.iter_partition("interaction_logs", key, rows=tables.CHUNK_RECORDS, columns=["record_json"]):
+            # to_list() converts the column in one call: iterating a polars Series value by value
+            # cost ~7x as much (2.0 s vs 0.28 s per 1M steps)
+            traj, steps = trajectory_tables(chunk["record_json"].to_list(), source)
             traj_out.write(traj)
             steps_out.write(steps)
     traj = lake.scan_partition("trajectories", key)
@@ -231,7 +209,6 @@ def trajectories(context: AssetExecutionContext, config: TrajectoriesConfig, lak
             "tasks": facts["tasks"],
             "agents": facts["agents"],
             "steps_by_kind": {k: int(n) for k, n in kinds.iter_rows()},
-            "workers": workers,
             "success_rate": MetadataValue.float(float(facts["success_rate"] or 0.0)),
             "preview": preview_table(traj.head(5).collect().drop("metadata")),
         }

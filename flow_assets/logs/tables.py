@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import orjson
 import polars as pl
-import pyarrow as pa
 
 from flow_assets.logs.records import QuarantinedRecord, ValidRecord
 
@@ -268,12 +267,3 @@ def trajectory_tables(record_json: Iterable[str], source: str) -> tuple[pl.DataF
         pl.DataFrame(traj, schema=TRAJECTORIES_SCHEMA),
         pl.DataFrame(steps, schema=STEPS_SCHEMA),
     )
-
-
-def trajectory_tables_arrow(record_json: list[str], source: str) -> tuple[pa.Table, pa.Table]:
-    """:func:`trajectory_tables` as Arrow tables, for a worker process to return: Arrow crosses
-    the process boundary for less than a polars frame pickled (see
-    :data:`flow_assets.logs.chunks.BlockResult`); :func:`polars.from_arrow` gives the frames back
-    with :data:`TRAJECTORIES_SCHEMA` and :data:`STEPS_SCHEMA`."""
-    traj, steps = trajectory_tables(record_json, source)
-    return traj.to_arrow(), steps.to_arrow()
