@@ -21,11 +21,11 @@ def _is_environ(node: ast.AST) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name) and node.value.id == "os"
 
 
-def environment_mutations(source: str) -> list[int]:
+def environment_mutations(tree: ast.AST) -> list[int]:
     """Line numbers of ``os.environ[...] = / del os.environ[...] / os.environ.pop|update|... /
-    os.putenv / os.unsetenv`` in ``source``."""
+    os.putenv / os.unsetenv`` in a module's ``tree`` (``ast.parse``)."""
     lines = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         targets = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -44,7 +44,7 @@ def environment_mutations(source: str) -> list[int]:
 
 def test_the_scanner_finds_every_shape_of_mutation():
     source = "import os\nos.environ['A'] = '1'\ndel os.environ['A']\nos.environ.pop('A', None)\nos.environ.update(a='1')\nos.putenv('A', '1')\nx = os.environ.get('A')\n"
-    assert environment_mutations(source) == [2, 3, 4, 5, 6]
+    assert environment_mutations(ast.parse(source)) == [2, 3, 4, 5, 6]
 
 
 def scan() -> dict[str, dict[str, list[int]]]:
@@ -55,9 +55,9 @@ def scan() -> dict[str, dict[str, list[int]]]:
     found: dict[str, dict[str, list[int]]] = {name: {} for name in finders}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            source = path.read_text()
+            tree = ast.parse(path.read_text())
             for name, finder in finders.items():
-                if lines := finder(source):
+                if lines := finder(tree):
                     found[name][str(path.relative_to(ROOT))] = lines
     return found
 
@@ -67,13 +67,13 @@ def test_no_module_of_the_code_location_changes_the_process_environment():
     assert found == {}, f"pass the setting explicitly instead of changing os.environ: {found}"
 
 
-def filter_swaps(source: str) -> list[int]:
-    """Line numbers of ``warnings.catch_warnings(...)`` in ``source``: it saves and restores the
+def filter_swaps(tree: ast.AST) -> list[int]:
+    """Line numbers of ``warnings.catch_warnings(...)`` in a module's ``tree``: it saves and restores the
     process-wide warning filters on entry and exit, so two threads using it at once (agents
     calling a tool) can leave either one's filters in place for everybody."""
     return [
         node.lineno
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "catch_warnings"
@@ -83,7 +83,7 @@ def filter_swaps(source: str) -> list[int]:
 
 
 def test_the_filter_scanner_finds_catch_warnings():
-    assert filter_swaps("import warnings\nwith warnings.catch_warnings():\n    pass\nwarnings.warn('x')\n") == [2]
+    assert filter_swaps(ast.parse("import warnings\nwith warnings.catch_warnings():\n    pass\nwarnings.warn('x')\n")) == [2]
 
 
 def test_no_module_of_the_code_location_swaps_the_warning_filters():

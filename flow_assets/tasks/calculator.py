@@ -71,14 +71,15 @@ class _Expression:
                     raise ValueError(f"{char!r} at position {match.start(2)}: only integers, + - * and parentheses are allowed")
                 self.tokens.append((match.start(2), char))
         self.at = 0
-        self.end = len(text)
 
     def _peek(self) -> str | None:
         return self.tokens[self.at][1] if self.at < len(self.tokens) else None
 
     def _fail(self, expected: str) -> SyntaxError:
-        where, found = self.tokens[self.at] if self.at < len(self.tokens) else (self.end, "the end")
-        return SyntaxError(f"expected {expected} at position {where}, found {found!r}" if found != "the end" else f"expected {expected} at the end")
+        if self.at >= len(self.tokens):
+            return SyntaxError(f"expected {expected} at the end")
+        where, found = self.tokens[self.at]
+        return SyntaxError(f"expected {expected} at position {where}, found {found!r}")
 
     def value(self) -> int:
         result = self._expression()

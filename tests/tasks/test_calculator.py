@@ -15,7 +15,6 @@ def test_calculator_is_exact_and_refuses_everything_but_arithmetic():
     assert execute_tool_call("calculator", "not json").startswith("Error")
 
 
-
 def _random_expression(rng: random.Random, depth: int = 0) -> str:
     """A random expression of the tool's grammar: integers, + - *, unary minus, parentheses."""
     if depth >= 3 or rng.random() < 0.3:
