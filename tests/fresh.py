@@ -12,10 +12,20 @@ importing a module at any moment, and so compiling it (no ``.pyc`` under
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the packages of the code location, which the scans of the tests read
+CODE_LOCATION = ("flow_assets", "resources", "sensors")
+
+
+def code_location_modules() -> Iterator[tuple[Path, str]]:
+    """Every module of :data:`CODE_LOCATION` as ``(path relative to the repository, source)``,
+    in path order."""
+    for package in CODE_LOCATION:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path.relative_to(ROOT), path.read_text(encoding="utf-8")
 
 
 def call_in_fresh_interpreter(func: Callable[[], object], timeout: float = 120):

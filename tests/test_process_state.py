@@ -8,12 +8,9 @@ process-wide too: ``warnings.catch_warnings`` swaps them, so it is refused as we
 """
 
 import ast
-from pathlib import Path
 
-from tests.fresh import call_in_fresh_interpreter
+from tests.fresh import call_in_fresh_interpreter, code_location_modules
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("flow_assets", "resources", "sensors")
 MUTATORS = {"pop", "update", "setdefault", "clear", "popitem", "__setitem__", "__delitem__"}
 
 
@@ -48,17 +45,16 @@ def test_the_scanner_finds_every_shape_of_mutation():
 
 
 def scan() -> dict[str, dict[str, list[int]]]:
-    """Every module of :data:`PACKAGES` read by each finder (:func:`environment_mutations`,
+    """Every module of the code location read by each finder (:func:`environment_mutations`,
     :func:`filter_swaps`): finder name -> (path relative to the repository -> line numbers),
     modules without any left out."""
     finders = {"environment_mutations": environment_mutations, "filter_swaps": filter_swaps}
     found: dict[str, dict[str, list[int]]] = {name: {} for name in finders}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            for name, finder in finders.items():
-                if lines := finder(tree):
-                    found[name][str(path.relative_to(ROOT))] = lines
+    for path, source in code_location_modules():
+        tree = ast.parse(source)
+        for name, finder in finders.items():
+            if lines := finder(tree):
+                found[name][str(path)] = lines
     return found
 
 

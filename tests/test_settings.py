@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from flow_assets.settings import DEFAULT_LAKE, DEFAULT_LANDING, Settings, child_environ, variables
-from tests.fresh import call_in_fresh_interpreter
+from tests.fresh import call_in_fresh_interpreter, code_location_modules
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("flow_assets", "resources", "sensors")
-SETTINGS_MODULE = REPO / "flow_assets" / "settings.py"
+SETTINGS_MODULE = Path("flow_assets") / "settings.py"  # as code_location_modules names it
 
 
 def environment_reads(source: str) -> list[int]:
@@ -41,11 +40,10 @@ def environment_readers() -> list[str]:
     """``path:line`` of every environment read (:func:`environment_reads`) in the code location
     outside the settings module."""
     return [
-        f"{path.relative_to(REPO)}:{line}"
-        for package in PACKAGES
-        for path in sorted((REPO / package).rglob("*.py"))
+        f"{path}:{line}"
+        for path, source in code_location_modules()
         if path != SETTINGS_MODULE
-        for line in environment_reads(path.read_text(encoding="utf-8"))
+        for line in environment_reads(source)
     ]
 
 
@@ -54,12 +52,13 @@ def settings_file_parsers() -> list[str]:
     module."""
     parsers = {"tomllib", "tomli", "toml"}
     found = []
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                names = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                if path != SETTINGS_MODULE and parsers & set(names):
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    for path, source in code_location_modules():
+        if path == SETTINGS_MODULE:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            names = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if parsers & set(names):
+                found.append(f"{path}:{node.lineno}")
     return found
 
 
@@ -76,10 +75,9 @@ def test_only_the_settings_module_parses_the_project_settings_file():
 def test_every_variable_named_in_the_code_is_a_setting_and_documented():
     known = set(variables())
     named = {}
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            for match in re.finditer(r"\bFLOWOPT_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8")):
-                named.setdefault(match.group(), f"{path.relative_to(REPO)}")
+    for path, source in code_location_modules():
+        for match in re.finditer(r"\bFLOWOPT_[A-Z0-9_]*[A-Z0-9]\b", source):
+            named.setdefault(match.group(), str(path))
     assert {v: f for v, f in named.items() if v not in known} == {}, "a FLOWOPT_* variable no Settings field reads"
     table = (REPO / "docs" / "settings.md").read_text(encoding="utf-8")
     assert [v for v in sorted(known) if f"`{v}`" not in table] == [], "docs/settings.md misses these variables"
