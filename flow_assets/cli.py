@@ -150,7 +150,7 @@ def _demo_text(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
-    from flow_assets.serving.gateway.app import GatewayConfig
+    from flow_assets.serving.gateway.config import GatewayConfig
     from flow_assets.serving.gateway.guard import RequestLimits
     from flow_assets.serving.gateway.server import check_bind, gateway_tokens
     from flow_assets.serving.gateway.serve import make_gateway

@@ -231,7 +231,7 @@ def collect_on_ray(store, source, agent, agent_id: str, tasks: list, group_size:
         tasks: the batch's train tasks; task ``i`` goes to worker ``i mod workers`` with all its samples.
         batch / folder: the batch name and its landing sub-directory (``<landing>/<folder>/<batch>.jsonl``).
         harness / gateway_config: the :class:`~flow_assets.serving.agents.harness.HarnessConfig`
-            (``land=True``) and :class:`~flow_assets.serving.gateway.app.GatewayConfig` of every
+            (``land=True``) and :class:`~flow_assets.serving.gateway.config.GatewayConfig` of every
             replica (its seed the same on each: sampling is not reproducible across worker counts
             anyway, a replica batching only its own shard's calls).
         landing_dir: a directory every node can reach; the shards land under its hidden

@@ -34,7 +34,7 @@ from flow_assets.policy.presets import prepare_model
 from flow_assets.runtime.local import REPO_ROOT, local_instance, run_job
 from flow_assets.serving.agents.builtin import BFCL_MAX_TOKENS
 from flow_assets.serving.agents.evaluation import agents_rows
-from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.config import GatewayConfig
 from flow_assets.serving.gateway.engine import AdapterRef
 from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.settings import Settings, child_environ

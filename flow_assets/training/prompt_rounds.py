@@ -32,6 +32,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
@@ -42,12 +43,11 @@ from flow_assets.policy.prompt_search import Demonstration, best_candidate, demo
 from flow_assets.rl.evaluation import EVAL_SCHEMA, compare_policies
 from flow_assets.serving.agents.evaluation import evaluation_rows
 from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, run_rollouts
-from flow_assets.serving.gateway.app import Gateway
 from flow_assets.serving.gateway.engine import AdapterRef, AdapterResolver
-from flow_assets.serving.gateway.serve import serve_policy
-from flow_assets.serving.gateway.server import GatewayServer
-from flow_assets.serving.gateway.upstream import Upstream
 from flow_assets.tasks.sources import Task
+
+if TYPE_CHECKING:
+    from flow_assets.serving.gateway.upstream import Upstream
 
 
 class PromptRoundError(RuntimeError):
@@ -177,6 +177,10 @@ def proxy_scores(upstream: Upstream, registry_path: Path, prompts: dict[str, Pro
     refs = {name: AdapterRef(name, str(p.save(scratch / "prompts" / name))) for name, p in prompts.items()}
     landing = scratch / "flows"
     before = landed_usage(landing)
+    # the web stack (FastAPI, httpx) only where a gateway is served: the code location imports this module
+    from flow_assets.serving.gateway.app import Gateway
+    from flow_assets.serving.gateway.server import GatewayServer
+
     gateway = Gateway(None, AdapterResolver(registry_path, refs), landing, upstream=upstream)
     with GatewayServer(gateway) as server:
         rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
@@ -200,6 +204,8 @@ def hosted_scores(store: PolicyStore, adapter_dir: str | Path, prompts: dict[str
     refs = {name: AdapterRef(name, str(hosted_version(adapter_dir, p, scratch / "prompts" / name))) for name, p in prompts.items()}
     landing = scratch / "flows"
     before = landed_usage(landing)
+    from flow_assets.serving.gateway.serve import serve_policy  # the web stack only where a gateway is served
+
     with serve_policy(store, landing, extra=refs) as server:
         rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
     return rows, _minus(landed_usage(landing), before)

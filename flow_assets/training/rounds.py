@@ -35,9 +35,8 @@ from flow_assets.core.atomic import write_json_atomic
 from flow_assets.core.memory import release_free_memory
 from flow_assets.serving.agents.evaluation import agents_rows
 from flow_assets.serving.agents.harness import AgentFn, HarnessConfig, run_rollouts
-from flow_assets.serving.gateway.app import GatewayConfig
+from flow_assets.serving.gateway.config import GatewayConfig
 from flow_assets.serving.gateway.engine import AdapterRef
-from flow_assets.serving.gateway.serve import serve_policy
 from flow_assets.policy.chat import conversation_rows
 from flow_assets.policy.configs import GRPOTrainerConfig, SFTConfig, TinyModelConfig, TrainingSample
 from flow_assets.policy.rollouts import TextSamples, batch_id_for, text_training_samples, training_samples
@@ -290,6 +289,8 @@ def collect_batch(
                                     landing_dir, address=ray_address)  # fmt: skip
         return CollectionResult(str(landed.path), batch, champion["version"], landed.rollouts, landed.failed_rollouts, landed.success_rate,
                                 landed.mean_llm_calls, landed.mean_tool_calls, time.perf_counter() - started)  # fmt: skip
+    from flow_assets.serving.gateway.serve import serve_policy  # the web stack, only where a gateway is served
+
     with serve_policy(store, landing_dir, config=gateway) as server:
         results = asyncio.run(
             run_rollouts(server.url, agent, chosen, source.score, config.group_size,
@@ -762,6 +763,8 @@ def evaluate_agents(
         rows = run_eval_driver(store, source, agent, agent_id, tasks, policies, config, workers, Path(scratch_dir) / "rollout_workers",
                                address=ray_address)  # fmt: skip
         return rows, time.perf_counter() - started
+    from flow_assets.serving.gateway.serve import serve_policy  # the web stack, only where a gateway is served
+
     gc.collect()  # a trained model's reference cycles (PEFT wrappers) go before the release
     release_free_memory()
     with serve_policy(store, scratch_dir, extra=policies, dtype=config.dtype) as server:
