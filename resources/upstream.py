@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from flow_assets.serving.gateway.upstream import Upstream
+if TYPE_CHECKING:  # the HTTP client only where an upstream is called: the code location loads this module
+    from flow_assets.serving.gateway.upstream import Upstream
 
 
 class UpstreamModel(ConfigurableResource):
@@ -39,6 +42,8 @@ class UpstreamModel(ConfigurableResource):
         """
         if not self.base_url:
             raise ValueError("no upstream model is configured (FLOWOPT_UPSTREAM_URL)")
+        from flow_assets.serving.gateway.upstream import Upstream
+
         return Upstream(self.base_url, self.model or None, self.api_key or None, timeout_s=self.timeout_s)
 
 

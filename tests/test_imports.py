@@ -18,9 +18,9 @@ import resources
 ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = ("torch", "transformers", "peft", "trl", "reasoning_gym", "matplotlib", "tokenizers", "safetensors", "accelerate", "vllm", "openai",
-         # the gateway's web stack: ~0.27 s of the code location's ~2 s load until the rounds
-         # imported the gateway where they serve one (2026-11-29)
-         "fastapi", "starlette", "uvicorn", "sse_starlette", "prometheus_client")  # fmt: skip
+         # the gateway's web stack and the upstream's HTTP client: 0.35 s of the code location's
+         # 2.1 s load until the rounds imported them where they serve or call (2026-11-29)
+         "fastapi", "starlette", "uvicorn", "sse_starlette", "prometheus_client", "httpx")  # fmt: skip
 
 CODE_LOCATION = [
     "flow_assets.definitions",
