@@ -89,3 +89,32 @@ def test_the_check_names_a_heavy_import_and_its_importer():
     found = _fresh_import(["flow_assets.policy.tokenizer"])["heavy"]
     assert {"tokenizers", "transformers"} <= set(found), found
     assert found["tokenizers"][-1].startswith("flow_assets/policy/tokenizer.py:"), found
+
+
+_CLI_CHILD = r"""
+import json, sys
+from flow_assets.cli import main
+
+rc = main(sys.argv[1:])
+state = {"rc": rc, "transformers": "transformers" in sys.modules}
+if state["transformers"]:
+    from transformers.utils import logging as hf_logging
+
+    state.update(verbosity=hf_logging.get_verbosity(), progress_bars=hf_logging.is_progress_bar_enabled())
+print(json.dumps(state))
+"""
+
+
+def _cli(args: list[str], env: dict[str, str]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CLI_CHILD, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_cli_command_imports_transformers_to_quiet_it_only_when_it_loads_models(tmp_path):
+    import os
+
+    env = {**os.environ, "FLOWOPT_MODELS": str(tmp_path)}
+    assert _cli(["schema"], env) == {"rc": 0, "transformers": False}
+    # `models` converts and loads checkpoints: transformers is quieted before any of that
+    assert _cli(["models", "list"], env) == {"rc": 0, "transformers": True, "verbosity": 40, "progress_bars": False}
