@@ -530,8 +530,9 @@ def _schema(args: argparse.Namespace, settings: Settings) -> int:
 
 
 #: the sub-commands that load a model in their own process (the demos, the gateway, GGUF
-#: conversion): only they import transformers to quiet it, which cost the others ~0.9 s of CPU
-#: each (`flowopt ingest` of a 4 MB log took 4.9 s, 2026-11-29)
+#: conversion): only they import transformers to quiet it, ~0.9 s of CPU that every other
+#: command paid too (`flowopt ingest` of the 4 MB tau-bench log: 5.4-5.6 s before, 4.1-4.5 s
+#: after, 2026-11-29)
 MODEL_COMMANDS = frozenset({"demo", "demo-real", "demo-bfcl", "demo-logs", "demo-text", "demo-prompt", "bfcl-entry-point", "serve", "models"})
 
 

@@ -8,6 +8,7 @@ first imported each.
 """
 
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -112,8 +113,6 @@ def _cli(args: list[str], env: dict[str, str]) -> dict:
 
 
 def test_a_cli_command_imports_transformers_to_quiet_it_only_when_it_loads_models(tmp_path):
-    import os
-
     env = {**os.environ, "FLOWOPT_MODELS": str(tmp_path)}
     assert _cli(["schema"], env) == {"rc": 0, "transformers": False}
     # `models` converts and loads checkpoints: transformers is quieted before any of that

@@ -174,13 +174,13 @@ def proxy_scores(upstream: Upstream, registry_path: Path, prompts: dict[str, Pro
         Rows of :data:`~flow_assets.rl.evaluation.EVAL_SCHEMA` (``policy``: the prompt's key,
         ``mode``: the mode's name) and the :class:`Usage` of those rollouts.
     """
-    refs = {name: AdapterRef(name, str(p.save(scratch / "prompts" / name))) for name, p in prompts.items()}
-    landing = scratch / "flows"
-    before = landed_usage(landing)
     # the web stack (FastAPI, httpx) only where a gateway is served: the code location imports this module
     from flow_assets.serving.gateway.app import Gateway
     from flow_assets.serving.gateway.server import GatewayServer
 
+    refs = {name: AdapterRef(name, str(p.save(scratch / "prompts" / name))) for name, p in prompts.items()}
+    landing = scratch / "flows"
+    before = landed_usage(landing)
     gateway = Gateway(None, AdapterResolver(registry_path, refs), landing, upstream=upstream)
     with GatewayServer(gateway) as server:
         rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
@@ -201,11 +201,11 @@ def hosted_scores(store: PolicyStore, adapter_dir: str | Path, prompts: dict[str
         FileNotFoundError: ``adapter_dir`` is not a LoRA adapter directory.
         OSError: the base model cannot be loaded.
     """
+    from flow_assets.serving.gateway.serve import serve_policy  # the web stack only where a gateway is served
+
     refs = {name: AdapterRef(name, str(hosted_version(adapter_dir, p, scratch / "prompts" / name))) for name, p in prompts.items()}
     landing = scratch / "flows"
     before = landed_usage(landing)
-    from flow_assets.serving.gateway.serve import serve_policy  # the web stack only where a gateway is served
-
     with serve_policy(store, landing, extra=refs) as server:
         rows = _scores(server.url, list(refs), tasks, score, agent, agent_id, temperatures, concurrency, scratch.name)
     return rows, _minus(landed_usage(landing), before)
