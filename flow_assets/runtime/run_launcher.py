@@ -11,7 +11,7 @@ execute_run`` takes) and starts the next spare (``spare_delay_seconds`` later, s
 do not compete with the start of the run just handed over), so the import cost is paid while the
 previous run works, not on the critical path. When no spare has finished its imports (a burst of launches),
 the run goes to a new worker that preloads nothing and imports what its steps need, as under the
-default launcher. Every run still gets a process of its own that nothing ran in
+default launcher: forked from the fork server when there is one (below), else a fresh interpreter. Every run still gets a process of its own that nothing ran in
 before: the isolation of the default launcher is kept.
 
 Fork server (``fork_server_modules``): importing torch, transformers and peft took ~4 s of CPU per
@@ -22,7 +22,11 @@ project's code location, ~1.5 s). The fork server holds only modules that start 
 own at import (torch, transformers, peft, numpy, Dagster: no polars, which starts its allocator's
 threads on import, so not ``flow_assets.definitions``); after its imports it checks its own threads
 and, if any but the main one and BLAS's (which re-creates its pool after a fork) exist, refuses to
-fork: the launcher then starts spares as fresh interpreters, as without it. A forked spare starts
+fork: the launcher then starts spares as fresh interpreters, as without it. A launch that finds
+the fork server still importing (the first launch starts it) waits for it, up to
+``fork_server_wait_seconds``, and then forks its worker: a fresh interpreter instead imported
+Dagster, the code location and, for a run that trains or samples, torch and transformers a second
+time beside the server (7-8 s of CPU each; 13 such workers in one ``make test``). A forked spare starts
 a session of its own, reseeds numpy's global generator (Python's ``random`` reseeds itself at
 fork) and exits through the interpreter's normal shutdown, like a fresh one. Its exit status
 reaches the launcher through the fork server, which reaps it.
@@ -41,6 +45,7 @@ Configured in ``dagster.yaml``::
         fork_server_modules: [torch, transformers, peft]
         preload_modules: [flow_assets.definitions]
         spare_delay_seconds: 2
+        fork_server_wait_seconds: 60
 
 Nothing is started until the first launch, so processes that only load the instance (the
 webserver, ``dagster definitions validate``, tests) pay nothing.
@@ -91,15 +96,20 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             0, the default: at once). A new spare's fork and imports take 1-2 s of CPU; on a
             2-core machine, started at once they competed with the start of the run just handed
             over (docs/benchmarks.md).
+        fork_server_wait_seconds: how long a launch that finds no spare ready waits for a fork
+            server that is still importing (>= 0; default 60 s), before it starts the run's
+            worker as a fresh interpreter instead (module docstring). Only the launches of the
+            first seconds after the server's start wait, each at most this long.
 
     Raises:
-        dagster_shared.check.CheckError: ``spares`` < 1 or not an int; ``spare_delay_seconds`` < 0.
+        dagster_shared.check.CheckError: ``spares`` < 1 or not an int; ``spare_delay_seconds`` or
+            ``fork_server_wait_seconds`` < 0.
         dagster.DagsterInvariantViolationError: from ``launch_run`` when the run has no code origin.
     """
 
     def __init__(
         self, inst_data: ConfigurableClassData | None = None, preload_modules: Sequence[str] = (), spares: int = 1, fork_server_modules: Sequence[str] = (),
-        spare_delay_seconds: float = 0.0,
+        spare_delay_seconds: float = 0.0, fork_server_wait_seconds: float = 60.0,
     ):
         self._inst_data = inst_data
         self.preload_modules = tuple(check.sequence_param(preload_modules, "preload_modules", of_type=str))
@@ -108,6 +118,8 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         check.invariant(self.spares >= 1, f"WarmRunLauncher: spares must be >= 1, got {spares}")
         self.spare_delay_seconds = float(check.numeric_param(spare_delay_seconds, "spare_delay_seconds"))
         check.invariant(self.spare_delay_seconds >= 0, f"WarmRunLauncher: spare_delay_seconds must be >= 0, got {spare_delay_seconds}")
+        self.fork_server_wait_seconds = float(check.numeric_param(fork_server_wait_seconds, "fork_server_wait_seconds"))
+        check.invariant(self.fork_server_wait_seconds >= 0, f"WarmRunLauncher: fork_server_wait_seconds must be >= 0, got {fork_server_wait_seconds}")
         self._lock = threading.Lock()
         self._spares: list = []  # subprocess.Popen or _ForkedWorker
         self._workers: dict = {}
@@ -129,6 +141,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             "spares": Field(int, is_required=False, default_value=1),
             "fork_server_modules": Field(Noneable(Array(str)), is_required=False, default_value=[]),
             "spare_delay_seconds": Field(float, is_required=False, default_value=0.0),
+            "fork_server_wait_seconds": Field(float, is_required=False, default_value=60.0),
         }
 
     @classmethod
@@ -136,6 +149,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         return cls(
             inst_data=inst_data, preload_modules=config_value.get("preload_modules") or [], spares=config_value.get("spares", 1),
             fork_server_modules=config_value.get("fork_server_modules") or [], spare_delay_seconds=config_value.get("spare_delay_seconds", 0.0),
+            fork_server_wait_seconds=config_value.get("fork_server_wait_seconds", 60.0),
         )  # fmt: skip
 
     def _start_worker(self, preload: Sequence[str]):
@@ -159,11 +173,18 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         """The oldest spare whose imports are done; if none is, a new *lean* worker that
         preloads nothing (a run imports what its steps need, as under Dagster's default
         launcher: a burst of launches, e.g. nine landed log files, must not wait for nine copies
-        of torch). The spares are topped up to ``spares`` either way, ``spare_delay_seconds`` later."""
+        of torch). The spares are topped up to ``spares`` either way, ``spare_delay_seconds`` later.
+        While the fork server is still importing, that new worker waits for it (up to
+        ``fork_server_wait_seconds``) and is forked."""
         with self._lock:
             if self.fork_server_modules and self._fork_server is None:
-                # its imports run beside this first run; the spares after it are forked
                 self._fork_server = _ForkServer(self.fork_server_modules, on_settled=self._top_up)
+            server = self._fork_server
+            spare_ready = any(w.poll() is None and _is_ready(w) for w in self._spares)
+        if server is not None and not spare_ready:
+            # outside the lock: terminate() and the watchers must not wait behind the server's imports
+            server.wait_settled(self.fork_server_wait_seconds)
+        with self._lock:
             self._spares = [w for w in self._spares if w.poll() is None]
             ready = [w for w in self._spares if _is_ready(w)]
             if ready:
@@ -348,6 +369,12 @@ class _ForkServer:
 
     def ready(self) -> bool:
         return self._state == "ready"
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Block until the server is no longer starting (ready, unsafe or gone), at most
+        ``timeout`` seconds; whether it settled."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._state != "starting", timeout=timeout)
 
     def _read(self) -> None:
         while True:

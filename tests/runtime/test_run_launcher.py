@@ -27,7 +27,7 @@ JOBS = textwrap.dedent(
 
     @op(config_schema={"out": str})
     def write_pid(context):
-        open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()}")
+        open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()} {os.getppid()}")
 
     @job(executor_def=in_process_executor)
     def quick():
@@ -130,6 +130,10 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     assert written[0][2] != written[1][2]
     server = instance.run_launcher._fork_server
     assert (server is not None and server.ready()) == (instance.run_launcher.fork_server_modules != ())
+    # with a fork server, the first run too was forked from it (its launch waited for the server's
+    # imports): a fresh interpreter would have imported them a second time beside the server
+    parents = [int(w[3]) for w in written]
+    assert parents == [server.process.pid if server is not None else os.getpid()] * 2
     assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
     assert run.tags[WARM_TAG] == "true"
     messages = _messages(instance, second)
