@@ -36,13 +36,13 @@ def test_two_rollout_workers_give_the_in_process_greedy_outcomes_and_a_killed_wo
     config = EvaluationConfig(max_tasks=24, modes=("greedy",), concurrency=8, gate=GateConfig(metric="greedy"))
     store = PolicyStore(str(calculator_policy_dir))
     local, _ = evaluate_agents(store, source, agent, tasks.agent_id, held_out, policies, config, tmp_path / "local")
-    on_ray = run_eval_driver(store, source, agent, tasks.agent_id, held_out, policies, config, 2, tmp_path / "ray", address=cluster)
-    assert on_ray.height == local.height == 24 and on_ray["task_id"].n_unique() == 24
-    assert _outcomes(on_ray) == _outcomes(local)
-    assert 0 < local["success"].sum() < 24  # a policy that solves some, so the comparison means something
+    assert local.height == 24 and 0 < local["success"].sum() < 24  # a policy that solves some, so the comparison means something
 
     # the worker holding the first task SIGKILLs itself once, at the start of its shard: Ray runs
-    # that shard again; every task still has exactly one row, with the same greedy outcome
+    # that shard again; every task still has exactly one row, with the in-process greedy outcome.
+    # The other worker's shard runs undisturbed, so this one run checks both. (A second, unkilled
+    # run before it cost a driver and two Ray workers: this test's call took 19.6 s with it, 11.8 s
+    # without, 2026-11-29; the suite is CPU-bound. test_ray_training compares its killed run alone too.)
     marker, first = tmp_path / "killed-once", held_out[0].task_id
 
     def kill_once(shard) -> None:
