@@ -9,10 +9,11 @@ threads do not matter) that has already imported ``preload_modules`` and waits o
 Launching a run hands the spare the run's :class:`ExecuteRunArgs` (what ``dagster api
 execute_run`` takes) and starts the next spare (``spare_delay_seconds`` later, so that its imports
 do not compete with the start of the run just handed over), so the import cost is paid while the
-previous run works, not on the critical path. When no spare has finished its imports (a burst of launches),
-the run goes to a new worker that preloads nothing and imports what its steps need, as under the
-default launcher: forked from the fork server when there is one (below), else a fresh interpreter. Every run still gets a process of its own that nothing ran in
-before: the isolation of the default launcher is kept.
+previous run works, not on the critical path. When no spare has finished its imports (a burst of
+launches), the run goes to a new worker that preloads nothing and imports what its steps need, as
+under the default launcher: forked from the fork server when there is one (below), else a fresh
+interpreter. Every run still gets a process of its own that nothing ran in before: the isolation
+of the default launcher is kept.
 
 Fork server (``fork_server_modules``): importing torch, transformers and peft took ~4 s of CPU per
 spare, four spares a round on two cores, beside the run they waited behind. With a fork server
@@ -26,7 +27,7 @@ fork: the launcher then starts spares as fresh interpreters, as without it. A la
 the fork server still importing (the first launch starts it) waits for it, up to
 ``fork_server_wait_seconds``, and then forks its worker: a fresh interpreter instead imported
 Dagster, the code location and, for a run that trains or samples, torch and transformers a second
-time beside the server (7-8 s of CPU each; 13 such workers in one ``make test``). A forked spare starts
+time beside the server (7-11 s of CPU each; 13 such workers in one ``make test``). A forked spare starts
 a session of its own, reseeds numpy's global generator (Python's ``random`` reseeds itself at
 fork) and exits through the interpreter's normal shutdown, like a fresh one. Its exit status
 reaches the launcher through the fork server, which reaps it.
