@@ -23,11 +23,14 @@ project's code location, ~1.5 s). The fork server holds only modules that start 
 own at import (torch, transformers, peft, numpy, Dagster: no polars, which starts its allocator's
 threads on import, so not ``flow_assets.definitions``); after its imports it checks its own threads
 and, if any but the main one and BLAS's (which re-creates its pool after a fork) exist, refuses to
-fork: the launcher then starts spares as fresh interpreters, as without it. A launch that finds
-the fork server still importing (the first launch starts it) waits for it, up to
-``fork_server_wait_seconds``, and then forks its worker: a fresh interpreter instead imported
-Dagster, the code location and, for a run that trains or samples, torch and transformers a second
-time beside the server (7-11 s of CPU each; 13 such workers in one ``make test``). A forked spare starts
+fork: the launcher then starts spares as fresh interpreters, as without it. A run tagged
+``flowopt/loads_models: "true"`` (:data:`LOADS_MODELS_TAG`: the jobs that train or sample a model)
+whose launch finds the fork server still importing (the first launch starts it) waits for it, up
+to ``fork_server_wait_seconds``, and then gets a forked worker: a fresh interpreter would have
+imported Dagster, the code location, torch and transformers a second time beside the server (7-11
+s of CPU each; 13 such workers in one ``make test``). Other runs (the data plane's) do not wait: a
+fresh interpreter that imports no model library started the demo's burst of nine landed log files
+sooner (29-30 s against 34-42 s for all nine). A forked spare starts
 a session of its own, reseeds numpy's global generator (Python's ``random`` reseeds itself at
 fork) and exits through the interpreter's normal shutdown, like a fresh one. Its exit status
 reaches the launcher through the fork server, which reaps it.
@@ -75,6 +78,9 @@ from dagster._serdes import ConfigurableClass, ConfigurableClassData
 PID_TAG = "flowopt/run_worker_pid"
 #: the run tag saying whether the run got a spare that had finished its imports ("true") or not
 WARM_TAG = "flowopt/run_worker_warm"
+#: a job's run tag (value ``"true"``) saying that its steps import torch / transformers: its launch
+#: waits for a fork server still importing them rather than import them again (module docstring)
+LOADS_MODELS_TAG = "flowopt/loads_models"
 _READY = "ready"
 
 
@@ -97,10 +103,11 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
             0, the default: at once). A new spare's fork and imports take 1-2 s of CPU; on a
             2-core machine, started at once they competed with the start of the run just handed
             over (docs/benchmarks.md).
-        fork_server_wait_seconds: how long a launch that finds no spare ready waits for a fork
-            server that is still importing (>= 0; default 60 s), before it starts the run's
-            worker as a fresh interpreter instead (module docstring). Only the launches of the
-            first seconds after the server's start wait, each at most this long.
+        fork_server_wait_seconds: how long the launch of a run tagged :data:`LOADS_MODELS_TAG`
+            that finds no spare ready waits for a fork server that is still importing (>= 0;
+            default 60 s), before it starts the run's worker as a fresh interpreter instead
+            (module docstring). Only the launches of the first seconds after the server's start
+            wait, each at most this long.
 
     Raises:
         dagster_shared.check.CheckError: ``spares`` < 1 or not an int; ``spare_delay_seconds`` or
@@ -170,19 +177,19 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         worker.stdin.flush()
         return worker
 
-    def _take_spare(self) -> subprocess.Popen:
+    def _take_spare(self, loads_models: bool = False) -> subprocess.Popen:
         """The oldest spare whose imports are done; if none is, a new *lean* worker that
         preloads nothing (a run imports what its steps need, as under Dagster's default
         launcher: a burst of launches, e.g. nine landed log files, must not wait for nine copies
         of torch). The spares are topped up to ``spares`` either way, ``spare_delay_seconds`` later.
-        While the fork server is still importing, that new worker waits for it (up to
-        ``fork_server_wait_seconds``) and is forked."""
+        For a run that ``loads_models``, while the fork server is still importing, that new
+        worker waits for it (up to ``fork_server_wait_seconds``) and is forked."""
         with self._lock:
             if self.fork_server_modules and self._fork_server is None:
                 self._fork_server = _ForkServer(self.fork_server_modules, on_settled=self._top_up)
             server = self._fork_server
             spare_ready = any(w.poll() is None and _is_ready(w) for w in self._spares)
-        if server is not None and not spare_ready:
+        if loads_models and server is not None and not spare_ready:
             # outside the lock: terminate() and the watchers must not wait behind the server's imports
             server.wait_settled(self.fork_server_wait_seconds)
         with self._lock:
@@ -229,7 +236,7 @@ class WarmRunLauncher(RunLauncher, ConfigurableClass):
         run = context.dagster_run
         if run.job_code_origin is None:
             raise DagsterInvariantViolationError(f"run {run.run_id} has no code origin: WarmRunLauncher cannot load its job")
-        worker = self._take_spare()
+        worker = self._take_spare(loads_models=run.tags.get(LOADS_MODELS_TAG) == "true")
         warm = _is_ready(worker)
         args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=self._instance.get_ref(), set_exit_code_on_failure=True)
         self._instance.add_run_tags(run.run_id, {PID_TAG: str(worker.pid), WARM_TAG: str(warm).lower()})

@@ -29,8 +29,13 @@ JOBS = textwrap.dedent(
     def write_pid(context):
         open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()} {os.getppid()}")
 
-    @job(executor_def=in_process_executor)
+    # tagged as flowopt's model jobs are: a launch waits for a fork server still importing
+    @job(executor_def=in_process_executor, tags={"flowopt/loads_models": "true"})
     def quick():
+        write_pid()
+
+    @job(executor_def=in_process_executor)
+    def light():
         write_pid()
 
     @op
@@ -74,7 +79,9 @@ def setup(tmp_path, request):
 
 def _launch(instance, jobs, name, run_config=None):
     recon = ReconstructableJob.for_file(str(jobs), name)
-    run = instance.create_run_for_job(recon.get_definition(), run_config=run_config, job_code_origin=recon.get_python_origin())
+    job = recon.get_definition()
+    # the job's run tags, as the daemon's sensor runs get them
+    run = instance.create_run_for_job(job, run_config=run_config, job_code_origin=recon.get_python_origin(), tags=job.run_tags)
     instance.launch_run(run.run_id, workspace=None)
     return run.run_id
 
@@ -104,6 +111,22 @@ def _wait_for_a_ready_spare(launcher, timeout=120):
     raise AssertionError(f"no spare of the launcher was ready after {timeout} s")
 
 
+def _one_spare_instance(tmp_path, fork_server_modules: str):
+    """An instance whose launcher keeps one spare, forked from a fork server that imports
+    ``fork_server_modules`` (YAML list items); the jobs file and the ops' output directory."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(
+        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
+        f"  config: {{preload_modules: [dagster], spares: 1, fork_server_modules: [{fork_server_modules}]}}\n"
+    )
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    return DagsterInstance.from_config(str(home)), jobs, out
+
+
 def _messages(instance, run_id):
     return [(e.dagster_event.message if e.dagster_event else None) or e.user_message for e in instance.all_logs(run_id)]
 
@@ -130,14 +153,28 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     assert written[0][2] != written[1][2]
     server = instance.run_launcher._fork_server
     assert (server is not None and server.ready()) == (instance.run_launcher.fork_server_modules != ())
-    # with a fork server, the first run too was forked from it (its launch waited for the server's
-    # imports): a fresh interpreter would have imported them a second time beside the server
+    # with a fork server, the first run too was forked from it (its launch, tagged loads_models,
+    # waited for the server's imports): a fresh interpreter would have imported them a second time
     parents = [int(w[3]) for w in written]
     assert parents == [server.process.pid if server is not None else os.getpid()] * 2
     assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
     assert run.tags[WARM_TAG] == "true"
     messages = _messages(instance, second)
     assert any(f"Handed to run worker pid {pids[1]} (a spare, imports done)" in m for m in messages), messages
+
+
+def test_a_run_not_tagged_as_loading_models_does_not_wait_for_the_fork_server(tmp_path):
+    """The data plane's runs import no model library: launched while the fork server still
+    imports torch, such a run gets a fresh interpreter at once instead of waiting."""
+    instance, jobs, out = _one_spare_instance(tmp_path, "numpy, dagster, torch")
+    try:
+        run_id = _launch(instance, jobs, "light", {"ops": {"write_pid": {"config": {"out": str(out)}}}})
+        assert instance.run_launcher._fork_server.starting()  # torch is still being imported: the launch did not wait
+        assert _wait(instance, run_id, FINISHED).status == DagsterRunStatus.SUCCESS
+        assert int((out / run_id).read_text().split()[3]) == os.getpid()  # a fresh interpreter this process started
+    finally:
+        instance.run_launcher.dispose()
+        instance.dispose()
 
 
 def test_terminate_interrupts_the_run_and_a_dead_worker_fails_its_run(setup):
@@ -183,17 +220,7 @@ def test_a_spare_whose_project_code_changed_runs_cold(tmp_path):
 def test_a_fork_server_whose_imports_started_threads_does_not_fork(tmp_path):
     """polars starts its allocator's threads when imported: forking after that is unsafe, so the
     server says so and the spares are fresh interpreters; runs still succeed."""
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text(
-        "telemetry: {enabled: false}\nrun_launcher:\n  module: flow_assets.runtime.run_launcher\n  class: WarmRunLauncher\n"
-        "  config: {preload_modules: [dagster], spares: 1, fork_server_modules: [polars]}\n"
-    )
-    instance = DagsterInstance.from_config(str(home))
-    jobs = tmp_path / "jobs.py"
-    jobs.write_text(JOBS)
-    out = tmp_path / "out"
-    out.mkdir()
+    instance, jobs, out = _one_spare_instance(tmp_path, "polars")
     config = {"ops": {"write_pid": {"config": {"out": str(out)}}}}
     try:
         first = _launch(instance, jobs, "quick", config)
