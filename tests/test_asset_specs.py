@@ -106,3 +106,12 @@ def test_every_asset_has_an_owner_and_computed_assets_a_code_version_that_follow
         assert code_version("flowopt_version_probe") != before
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_the_jobs_that_load_a_model_are_tagged_for_the_run_launcher(defs):
+    """Their runs wait for the warm launcher's fork server instead of importing torch beside it;
+    the data plane's runs do not wait (flow_assets/runtime/run_launcher.py)."""
+    from flow_assets.runtime.run_launcher import LOADS_MODELS_TAG
+
+    tagged = {job.name for job in defs.resolve_all_job_defs() if job.run_tags.get(LOADS_MODELS_TAG) == "true"}
+    assert tagged == {"base_policy_job", "collect_rollouts_job", "training_round_job", "prompt_round_job", "adapter_evaluation_job"}
