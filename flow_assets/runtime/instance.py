@@ -1,14 +1,18 @@
-"""``FlowoptInstance``: Dagster's instance with SQLite storage that checks each database's schema once per process.
+"""``FlowoptInstance``: Dagster's instance with SQLite storage that skips the schema check of a database Dagster already created.
 
-Why: every sensor evaluation builds a new ``DagsterInstance`` in the code server, and Dagster's
-SQLite storages open each database (runs, schedules, the event-log index, each run's event log)
-with ``check_alembic_revision``, which parses every alembic revision script Dagster ships. On
-this project's 2-core machine that was ~70% of an idle code server's CPU (``docs/benchmarks.md``,
-"the idle daemon"): 62 ms of CPU per instance, ~145 evaluations a minute under the demo's
-settings. The check only decides whether a database is new (then Dagster creates and stamps its
-tables); it never raises for a database at an old revision. So once a process has seen a
-database initialised, later storages in that process open it without the check, as long as its
-file is still there (a deleted database is checked, and so created, again).
+Why: Dagster's SQLite storages open each database (runs, schedules, the event-log index, each
+run's event log) with ``check_alembic_revision``, which parses every alembic revision script
+Dagster ships (0.1-0.2 s of CPU each on this project's 2-core machine). Every sensor evaluation
+builds a new ``DagsterInstance`` in the code server, and that check was ~70% of an idle code
+server's CPU (``docs/benchmarks.md``, "the idle daemon"); every launched run opened the event-log
+index and its own run's database the same way before its first step (0.4-0.5 s a run, measured
+with cProfile inside the run workers of a daemon's round). The check only decides whether a
+database is new (then Dagster creates and stamps its tables); it never raises for a database at
+an old revision, and it does nothing else for one that is stamped. So a database whose
+``alembic_version`` table holds a revision is opened without it (reading that table takes
+milliseconds), and a process that has seen a database initialised skips even that read while the
+file is still there. A database without a stamp (new, or deleted since) goes through Dagster's
+own path, which creates it.
 
 Configured in ``dagster.yaml``, where it changes only the defaults (a ``storage:`` section, e.g.
 PostgreSQL, is used as it is)::
@@ -27,6 +31,7 @@ import threading
 from collections.abc import Mapping
 
 import yaml
+from alembic.runtime.migration import MigrationContext
 from dagster import DagsterInstance
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
@@ -40,6 +45,8 @@ from dagster._core.storage.sqlite_storage import (
     _schedule_directory,
 )
 from dagster._serdes import ConfigurableClassData
+from sqlalchemy import create_engine, inspect
+from sqlalchemy.pool import NullPool
 
 _lock = threading.Lock()
 _initialised: set[str] = set()  # absolute paths of SQLite files this process found initialised
@@ -63,18 +70,44 @@ def mark_checked(path: str) -> None:
         _initialised.add(path)
 
 
+def stamped(path: str, tables: tuple[str, ...] = ()) -> bool:
+    """Whether the SQLite database at ``path`` exists, carries an alembic revision (Dagster
+    created its tables and stamped it) and has ``tables``: then Dagster's schema check would
+    leave it as it is. Reads the file only (never creates it).
+
+    Raises:
+        sqlalchemy.exc.DatabaseError: the file is not a SQLite database (Dagster's own check
+            fails the same way).
+    """
+    if not os.path.isfile(path):
+        return False
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            if MigrationContext.configure(conn).get_current_revision() is None:
+                return False
+            return not tables or set(tables) <= set(inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
+
+
 class _CheckedOnceFromLocal:
     """``from_local`` of a single-file Dagster SQLite storage (``<base_dir>/<_db_name>.db``):
-    through Dagster's check (which creates a new database) the first time in this process,
-    directly afterwards."""
+    directly when this process has seen it initialised or it is stamped (:func:`stamped`), else
+    through Dagster's check (which creates a new database)."""
 
     _db_name: str
+    #: tables Dagster's ``from_local`` adds to a stamped database that lacks them
+    _required_tables: tuple[str, ...] = ()
 
     @classmethod
     def from_local(cls, base_dir: str, inst_data: ConfigurableClassData | None = None):
         conn_string = create_db_conn_string(base_dir, cls._db_name)
         path = _db_path(conn_string)
         if schema_checked(path):
+            return cls(conn_string, inst_data)
+        if stamped(path, cls._required_tables):
+            mark_checked(path)
             return cls(conn_string, inst_data)
         storage = super().from_local(base_dir, inst_data)
         mark_checked(path)
@@ -87,21 +120,23 @@ class _CheckedOnceFromLocal:
 
 
 class CheckedSqliteRunStorage(_CheckedOnceFromLocal, SqliteRunStorage):
-    """Dagster's SQLite run storage (``<base_dir>/runs.db``), its schema checked once per process."""
+    """Dagster's SQLite run storage (``<base_dir>/runs.db``), its schema checked only when it is
+    not stamped yet (or lacks ``instance_info``)."""
 
     _db_name = "runs"
+    _required_tables = ("instance_info",)
 
 
 class CheckedSqliteScheduleStorage(_CheckedOnceFromLocal, SqliteScheduleStorage):
     """Dagster's SQLite schedule and sensor storage (``<base_dir>/schedules.db``), its schema
-    checked once per process."""
+    checked only when it is not stamped yet."""
 
     _db_name = "schedules"
 
 
 class CheckedSqliteEventLogStorage(SqliteEventLogStorage):
     """Dagster's SQLite event log (an index database and one database per run under
-    ``base_dir``), each database's schema checked once per process."""
+    ``base_dir``), each database's schema checked only when it is not stamped yet."""
 
     @classmethod
     def from_config_value(cls, inst_data, config_value):
@@ -113,6 +148,9 @@ class CheckedSqliteEventLogStorage(SqliteEventLogStorage):
         # is the part that costs, and its answer does not change while the file exists
         path = _db_path(str(engine.url))
         if schema_checked(path):
+            return
+        if stamped(path):
+            mark_checked(path)
             return
         super()._initdb(engine, for_index_shard=for_index_shard)
         mark_checked(path)

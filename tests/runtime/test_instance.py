@@ -1,5 +1,6 @@
 """``FlowoptInstance``: the repository's dagster.yaml builds it, its SQLite storage is Dagster's
-layout, and a database's schema is checked once per process (again when its file is gone)."""
+layout, and a database's schema is checked only when the database is not stamped (new, or gone
+since): once per process at most, and never in a process that opens databases Dagster created."""
 
 import shutil
 import sqlite3
@@ -10,6 +11,8 @@ import dagster._core.storage.event_log.sqlite.sqlite_event_log as event_log_modu
 import dagster._core.storage.runs.sqlite.sqlite_run_storage as run_module
 import dagster._core.storage.schedules.sqlite.sqlite_schedule_storage as schedule_module
 import pytest
+
+import flow_assets.runtime.instance as instance_module
 from dagster import DagsterInstance, DagsterRun
 from dagster._core.instance.ref import InstanceRef
 
@@ -98,6 +101,48 @@ def test_schema_checked_once_per_process_then_again_when_the_file_is_gone(tmp_pa
     assert alembic_checks == ["runs.db"]
     tables = {row[0] for row in sqlite3.connect(home / "history" / "runs.db").execute("select name from sqlite_master")}
     assert {"runs", "alembic_version"} <= tables
+
+
+def test_a_new_process_opens_the_databases_dagster_stamped_without_the_check(tmp_path, alembic_checks, monkeypatch):
+    """A run worker or a code server opens databases another process created: the runs, the
+    schedules, the event-log index and the run's own event log. None of them is checked (each
+    check parses every revision script), and what Dagster wrote reads back; a database file
+    that is there but not stamped (an empty file) still goes through Dagster's path, which
+    creates its tables."""
+    from dagster import DagsterEvent, DagsterEventType, EventLogEntry
+    from dagster._core.events import EngineEventData
+
+    home = _home(tmp_path)
+    ref = InstanceRef.from_dir(str(home))
+    run_id = str(uuid.uuid4())
+    creator = DagsterInstance.from_ref(ref)
+    try:
+        creator.add_run(DagsterRun(job_name="a_job", run_id=run_id))
+        event = DagsterEvent(DagsterEventType.ENGINE_EVENT.value, "a_job", message="from the creator", event_specific_data=EngineEventData())
+        creator.store_event(EventLogEntry(error_info=None, level="INFO", user_message="from the creator", run_id=run_id, timestamp=1.0,
+                                          dagster_event=event, job_name="a_job"))  # fmt: skip
+    finally:
+        creator.dispose()
+    assert (home / "history" / "runs" / f"{run_id}.db").is_file()
+
+    monkeypatch.setattr(instance_module, "_initialised", set())  # another process: nothing seen yet
+    alembic_checks.clear()
+    opener = DagsterInstance.from_ref(ref)
+    try:
+        assert [r.run_id for r in opener.get_runs()] == [run_id]
+        assert [e.user_message for e in opener.all_logs(run_id)] == ["from the creator"]
+        opener.get_dynamic_partitions("log_batches")
+    finally:
+        opener.dispose()
+    assert alembic_checks == []
+
+    # present but not stamped: Dagster's own path, which creates the tables
+    monkeypatch.setattr(instance_module, "_initialised", set())
+    (home / "schedules" / "schedules.db").unlink()
+    (home / "schedules" / "schedules.db").touch()
+    DagsterInstance.from_ref(ref).dispose()
+    assert alembic_checks == ["schedules.db"]
+    assert instance_module.stamped(str(home / "schedules" / "schedules.db"))
 
 
 def test_local_instance_and_a_storage_section(tmp_path):

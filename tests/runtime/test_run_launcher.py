@@ -21,13 +21,13 @@ from flow_assets.runtime.run_launcher import PID_TAG, WARM_TAG, WarmRunLauncher
 
 JOBS = textwrap.dedent(
     """
-    import os, time
+    import gc, os, time
     import numpy as np
     from dagster import in_process_executor, job, op
 
     @op(config_schema={"out": str})
     def write_pid(context):
-        open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()} {os.getppid()}")
+        open(context.op_config["out"] + f"/{context.run_id}", "w").write(f"{os.getpid()} {os.getsid(0)} {np.random.random()} {os.getppid()} {gc.get_freeze_count()}")
 
     # tagged as flowopt's model jobs are: a launch waits for a fork server still importing
     @job(executor_def=in_process_executor, tags={"flowopt/loads_models": "true"})
@@ -159,6 +159,8 @@ def test_each_run_gets_its_own_prestarted_process_and_succeeds(setup):
     assert parents == [server.process.pid if server is not None else os.getpid()] * 2
     assert instance.get_run_by_id(first).tags[WARM_TAG] == "false"  # nothing was waiting yet
     assert run.tags[WARM_TAG] == "true"
+    # the spare froze what it had imported: Python's full collections during the run skip it
+    assert int(written[1][4]) > 10_000
     messages = _messages(instance, second)
     assert any(f"Handed to run worker pid {pids[1]} (a spare, imports done)" in m for m in messages), messages
 
@@ -286,3 +288,31 @@ def test_the_used_spare_is_replaced_spare_delay_seconds_after_a_launch(tmp_path)
 
     with pytest.raises(Exception, match="spare_delay_seconds must be >= 0"):
         WarmRunLauncher(spare_delay_seconds=-1)
+
+
+def test_a_spare_builds_the_repository_of_its_preloaded_code_location(monkeypatch, capsys):
+    """The repository a run's worker would build before its first event is built by the spare
+    while it waits: flowopt's own code location with its jobs; a module without Definitions adds
+    nothing, and one whose repository cannot be built is left to the run (a line on stderr)."""
+    import types
+
+    from dagster import Definitions, asset
+
+    import flow_assets.definitions
+    from flow_assets.runtime.run_launcher import build_repositories
+
+    def twice(name):
+        @asset(name=name)
+        def one():
+            return 1
+
+        return one
+
+    broken = types.ModuleType("flowopt_test_broken_location")
+    broken.defs = Definitions(assets=[twice("same"), twice("same")])  # two assets with one key: fails when built
+    monkeypatch.setitem(sys.modules, broken.__name__, broken)
+    built = build_repositories([broken.__name__, "flow_assets.definitions", "flow_assets.settings", "not_imported_anywhere"])
+    assert len(built) == 1
+    assert {"log_batch_job", "training_round_job"} <= {job.name for job in built[0].get_all_jobs()}
+    assert built[0] is flow_assets.definitions.defs.get_repository_def()  # what the run's worker gets: the built one
+    assert "building the repository of flowopt_test_broken_location failed" in capsys.readouterr().err
