@@ -105,14 +105,17 @@ def test_two_ray_workers_with_one_killed_and_resumed_give_the_in_process_update(
 def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_in_process(cluster, calculator_policy_dir, tmp_path):
     """``policy_checkpoint`` with ``FLOWOPT_TRAINING_WORKERS=2`` on a batch of real captured
     rollouts: its Ray driver started through Dagster Pipes (each step's line in the run's log as
-    it comes), the same steps as ``train_candidate`` in process on the same batch."""
+    it comes), the same steps as ``train_candidate`` in process on the same batch. The batch is
+    collected on two Ray rollout workers (``FLOWOPT_ROLLOUT_WORKERS=2``) and lands as one file."""
     import shutil
 
     from dagster import AssetKey, instance_for_test
 
+    from flow_assets.cluster.ray_rollouts import SCRATCH
     from flow_assets.definitions import build_definitions
+    from flow_assets.logs.schema import Trajectory
     from flow_assets.runtime.local import execute_requests, run_job, tick_sensor
-    from flow_assets.training.rounds import read_round_summary, train_candidate
+    from flow_assets.training.rounds import landing_source, read_round_summary, train_candidate
     from flow_assets.training.run_config import RoundSettings, TrainConfig
     from resources.lake import TrajectoryLake
     from resources.loop import TrainingLoop
@@ -134,6 +137,13 @@ def test_a_round_of_the_pipeline_trains_on_ray_workers_through_dagster_pipes_as_
     (tmp_path / "home").mkdir()
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         assert run_job(defs, instance, "collect_rollouts_job", run_config={"ops": {"rollouts": {"config": {"tasks_per_batch": 16, "group_size": 8}}}}).success
+        # collected on the cluster's two rollout workers (FLOWOPT_ROLLOUT_WORKERS=2): one batch file
+        # named for the round, each task's 8 rollouts in it once, the workers' scratch gone
+        (landed,) = (tmp_path / "landing" / landing_source(tasks.agent_id)).iterdir()
+        records = [Trajectory.model_validate_json(line) for line in landed.read_bytes().splitlines()]
+        assert landed.name.startswith("r0001-") and len({r.task_id for r in records}) == 16
+        assert sorted((r.task_id, r.metadata["sample_index"]) for r in records) == sorted((t, g) for t in {r.task_id for r in records} for g in range(8))
+        assert not any((tmp_path / "landing" / SCRATCH).iterdir())
         (key,) = execute_requests(defs, instance, "log_batch_job", tick_sensor(defs, instance, "new_logs_sensor")).succeeded
         lake = TrajectoryLake(root=str(tmp_path / "lake"))
         tables = {t: lake.read_partition(t, key) for t in ("steps", "step_advantages", "trajectories", "advantages", "interaction_logs")}
