@@ -28,12 +28,15 @@ def pytest_collection_finish(session):
     times (14.1 of 124 s) in ``training/test_assets.py`` alone. Frozen objects are never walked
     again (the imports live as long as the process anyway); the tests' own objects are collected
     as before. The run workers do the same (``flow_assets/runtime/run_launcher.py``). Done at
-    start-up, before any test (or thread of one) runs."""
+    start-up, before any test (or thread of one) runs. The heavy libraries are imported first only
+    in pytest-xdist's workers (``make test``): a run of one small file in one process would pay
+    their import for nothing."""
     import gc
     import importlib
 
-    for name in FROZEN_IMPORTS:
-        importlib.import_module(name)
+    if hasattr(session.config, "workerinput"):
+        for name in FROZEN_IMPORTS:
+            importlib.import_module(name)
     gc.collect()
     gc.freeze()
 
