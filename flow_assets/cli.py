@@ -519,7 +519,7 @@ def _proposals(args: argparse.Namespace, settings: Settings) -> int:
 def _daemon(args: argparse.Namespace, settings: Settings) -> int:
     from flow_assets.runtime.daemon import run_daemon
 
-    return run_daemon(args.daemon_args, settings.sensor_loop_seconds)
+    return run_daemon(args.daemon_args, settings.sensor_loop_seconds, settings.run_watch_seconds, settings.sensor_interval_seconds)
 
 
 def _schema(args: argparse.Namespace, settings: Settings) -> int:
@@ -817,7 +817,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--workflows", default=None, help=workflows_help)
         cmd.set_defaults(fn=_proposals)
     daemon = sub.add_parser(
-        "daemon", help="dagster-daemon with its sensor loop every FLOWOPT_SENSOR_LOOP_SECONDS (Dagster's is fixed at 5 s); "
+        "daemon", help="dagster-daemon with its sensor loop every FLOWOPT_SENSOR_LOOP_SECONDS (Dagster's is fixed at 5 s), "
+        "its sensor loop and run queue woken when a run finishes or is queued (FLOWOPT_RUN_WATCH_SECONDS); "
         "takes dagster-daemon's arguments, e.g. `flowopt daemon run -w workspace.yaml`",
     )  # fmt: skip
     daemon.add_argument("daemon_args", nargs=argparse.REMAINDER, help="dagster-daemon's arguments")

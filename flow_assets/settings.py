@@ -43,6 +43,9 @@ DEFAULT_SETTLE_SECONDS = 10.0
 DEFAULT_SENSOR_INTERVAL_SECONDS = 30
 #: Dagster's own sensor-loop time (``flowopt daemon`` changes it; flow_assets/runtime/daemon.py)
 DEFAULT_SENSOR_LOOP_SECONDS = 5.0
+#: how often ``flowopt daemon`` reads the run table for finished and queued runs, to wake its
+#: sensor loop and run queue (flow_assets/runtime/daemon.py); 0: never (Dagster's timers only)
+DEFAULT_RUN_WATCH_SECONDS = 0.1
 
 #: the project settings file, looked up in the working directory (the directory relative default
 #: paths are relative to, and the one every documented command runs from: the repository root)
@@ -169,11 +172,14 @@ class Settings:
         settle_seconds: seconds a landed file must stay unmodified before the sensor reads it
             [FLOWOPT_SETTLE_SECONDS], >= 0.
         sensor_interval_seconds: least seconds between two evaluations of a sensor
-            [FLOWOPT_SENSOR_INTERVAL_SECONDS], >= 1.
+            [FLOWOPT_SENSOR_INTERVAL_SECONDS], >= 1 (Dagster reads 0 as its default, 30).
         sensor_loop_seconds: least seconds between two iterations of the daemon's sensor loop
             under ``flowopt daemon`` [FLOWOPT_SENSOR_LOOP_SECONDS], in (0, 61); the default is
             Dagster's own 5 s (``dagster-daemon`` itself always uses that). A sensor ticks at most
             this often whatever its interval.
+        run_watch_seconds: how often ``flowopt daemon`` reads the run table to wake its sensor
+            loop when a run finishes and its run queue when a run is queued or finishes
+            [FLOWOPT_RUN_WATCH_SECONDS], >= 0; 0: never (the loops keep Dagster's timers).
         self_play_rounds: rounds the self-play sensor runs on its own, 0 = off
             [FLOWOPT_SELF_PLAY_ROUNDS].
         run_config: JSON file ``{job name: run config}`` the sensors launch runs with
@@ -236,6 +242,7 @@ class Settings:
     settle_seconds: float = _var("FLOWOPT_SETTLE_SECONDS", DEFAULT_SETTLE_SECONDS, _number(0.0, unit="seconds"))
     sensor_interval_seconds: int = _var("FLOWOPT_SENSOR_INTERVAL_SECONDS", DEFAULT_SENSOR_INTERVAL_SECONDS, _count(1))
     sensor_loop_seconds: float = _var("FLOWOPT_SENSOR_LOOP_SECONDS", DEFAULT_SENSOR_LOOP_SECONDS, _number(0.0, 61.0, open_low=True, unit="seconds"))
+    run_watch_seconds: float = _var("FLOWOPT_RUN_WATCH_SECONDS", DEFAULT_RUN_WATCH_SECONDS, _number(0.0, 61.0, unit="seconds"))
     self_play_rounds: int = _var("FLOWOPT_SELF_PLAY_ROUNDS", 0, _count(0))
     run_config: str | None = _var("FLOWOPT_RUN_CONFIG", None, path=True)
     training_sources: tuple[tuple[str, str], ...] = _var("FLOWOPT_TRAINING_SOURCES", (), _sources)

@@ -115,10 +115,11 @@ def phase_env(state: DemoState, phase: Phase, run_config_path: Path) -> dict[str
         "FLOWOPT_TASKS": phase.kind,
         "FLOWOPT_SETTLE_SECONDS": "0",  # the demo lands files by rename only
         "FLOWOPT_SENSOR_INTERVAL_SECONDS": "1",
-        # a round is three sensor hops in a row: Dagster's 5 s sensor loop made each wait 2.5 s on
-        # average. Not 1 s: every tick builds a Dagster instance (~0.15 s of CPU), and at 1 s the ticks
-        # slowed the round's own work more than the shorter waits gained (docs/benchmarks.md)
-        "FLOWOPT_SENSOR_LOOP_SECONDS": "2",
+        # a round is three sensor hops in a row, each started by a run's end: the daemon's run watch
+        # wakes the sensor loop then (FLOWOPT_RUN_WATCH_SECONDS, default 0.1 s). Between runs the
+        # loop keeps Dagster's 5 s: five sensor ticks cost ~1-2 s of CPU of the daemon and code
+        # server, and a 2 s loop spent most of a core on them beside the rounds (docs/benchmarks.md)
+        "FLOWOPT_SENSOR_LOOP_SECONDS": "5",
         "FLOWOPT_SELF_PLAY_ROUNDS": str(phase.rounds),
         "FLOWOPT_RUN_CONFIG": str(run_config_path),
     }
@@ -157,7 +158,8 @@ def _round_line(instance, lake: TrajectoryLake, phase: Phase, run, index: int, s
     return {**line, "run_id": run.run_id, "verdict": row["verdict"]}
 
 
-def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, real_files: int = 0, timeout: float = 900.0) -> dict:
+def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, real_files: int = 0, timeout: float = 900.0,
+              env: dict[str, str] | None = None) -> dict:
     """Run ``phase`` as a deployment: start the daemon with :func:`phase_env`, let its sensors
     build the base policy and run ``phase.rounds`` training rounds (``self_play_sensor`` ->
     ``collect_rollouts_job``, ``new_logs_sensor`` -> ``log_batch_job``, ``training_round_sensor``
@@ -165,7 +167,8 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
     line per round as it finishes, wait for every run to end, stop the daemon.
 
     ``real_files`` > 0: the landing directory also holds that many real log files; the phase
-    first waits for their batches and prints the per-source table.
+    first waits for their batches and prints the per-source table. ``env``: variables for the
+    daemon over :func:`phase_env`'s (the tests lengthen its sensor loop).
 
     Returns:
         ``{"lines", "base_seconds", "data_plane"}`` (``data_plane``: per-batch and per-source
@@ -192,7 +195,7 @@ def run_phase(state: DemoState, instance, lake: TrajectoryLake, phase: Phase, re
     config_path.write_text(json.dumps(phase.run_config(), indent=2) + "\n")
     started = time.perf_counter()
     out: dict = {"lines": [], "base_seconds": None, "data_plane": None}
-    with Daemon(phase_env(state, phase, config_path), state.home / "daemon.log") as daemon:
+    with Daemon({**phase_env(state, phase, config_path), **(env or {})}, state.home / "daemon.log") as daemon:
         print(f"  dagster-daemon started (pid {daemon.process.pid}, log {daemon.log_path}); its sensors drive the runs", flush=True)
         if real_files:
             def real_batches_done():

@@ -13,13 +13,27 @@ The loop time is set once, in this process, before Dagster starts its daemon thr
 runs yet to read it), then Dagster's own CLI runs unchanged: ``flowopt daemon run -w
 workspace.yaml`` takes exactly ``dagster-daemon``'s arguments. A Dagster release without that
 constant is run as it is, at its own loop time, with a warning.
+
+It also wakes the sensor loop and the run queue when a run finishes or is queued
+(``FLOWOPT_RUN_WATCH_SECONDS``, :func:`install_run_watch`): both loops otherwise sleep out their
+time whatever happens, so each hop of a round also waited half a loop and half a dequeue interval
+on average. A sensor whose minimum interval allows then ticks right after every run it may be
+waiting for.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import sys
+import threading
+import time
 import warnings
 
 from flow_assets.settings import DEFAULT_SENSOR_LOOP_SECONDS
+
+log = logging.getLogger(__name__)
 
 
 def set_sensor_loop(seconds: float) -> bool:
@@ -45,19 +59,259 @@ def set_sensor_loop(seconds: float) -> bool:
     return True
 
 
-def run_daemon(argv: list[str], sensor_loop_seconds: float = DEFAULT_SENSOR_LOOP_SECONDS) -> int:
+#: run statuses after which a sensor may have something new to do
+FINISHED_STATUSES = ("SUCCESS", "FAILURE", "CANCELED")
+
+
+class RunWatch:
+    """A thread that reads the instance's run storage every ``poll_seconds`` and counts what changed
+    since it started: runs that finished (succeeded, failed or were cancelled) and runs newly queued.
+
+    Why: Dagster's sensor and run-queue loops sleep between iterations whatever happens, so a
+    round of three runs, each started by a sensor that sees the one before it finish, waited
+    about half a sensor loop and half a dequeue interval per run (``docs/benchmarks.md``,
+    ``training_round``). The loops :func:`install_run_watch` patches wait on this watch instead,
+    and wake as soon as it sees a change.
+
+    A poll reads the run table (the most recently updated finished run, and the ids of up to 100
+    queued runs: ~10 ms of CPU with SQLite, most of it opening connections) only when it may have
+    changed: with Dagster's SQLite run storage, when the database file's modification time or size
+    moved (a ``stat``: microseconds); with any other storage, every poll.
+
+    Args:
+        instance: the Dagster instance whose runs to watch (its run storage must be safe to read
+            from another thread: Dagster's SQL storages are).
+        poll_seconds: seconds between two reads, > 0.
+        shutdown: an event that stops the thread; waiters return within ``poll_seconds`` of it.
+
+    Raises:
+        ValueError: ``poll_seconds`` is not positive.
+    """
+
+    def __init__(self, instance, poll_seconds: float, shutdown: threading.Event):
+        if not poll_seconds > 0:
+            raise ValueError(f"the run watch's poll time must be positive seconds, got {poll_seconds!r}")
+        self._instance, self.poll_seconds, self._shutdown = instance, poll_seconds, shutdown
+        self._changed = threading.Condition()
+        #: changes seen so far: finished runs, newly queued runs (monotonic counters)
+        self.finished = self.queued = 0
+        self._db_file = _sqlite_file(instance.run_storage)
+        self._stamp = self._file_stamp()
+        self._last_finished = self._read_finished()
+        self._queued_ids = self._read_queued()
+        self._thread = threading.Thread(target=self._loop, name="flowopt-run-watch", daemon=True)
+
+    def _read_finished(self) -> tuple | None:
+        from dagster import DagsterRunStatus, RunsFilter
+
+        records = self._instance.get_run_records(
+            RunsFilter(statuses=[DagsterRunStatus(s) for s in FINISHED_STATUSES]), limit=1, order_by="update_timestamp", ascending=False
+        )  # fmt: skip
+        return (records[0].dagster_run.run_id, records[0].update_timestamp) if records else None
+
+    def _read_queued(self) -> frozenset[str]:
+        from dagster import DagsterRunStatus, RunsFilter
+
+        return frozenset(self._instance.get_run_ids(RunsFilter(statuses=[DagsterRunStatus.QUEUED]), limit=100))
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        if self._db_file is None:
+            return None
+        try:
+            stat = os.stat(self._db_file)
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
+
+    def poll(self) -> tuple[bool, bool]:
+        """Read the run storage once (if it may have changed); count and announce what changed.
+
+        Returns:
+            ``(a run finished, a run was queued)`` since the previous poll.
+        """
+        stamp = self._file_stamp()
+        if stamp is not None and stamp == self._stamp:
+            return False, False
+        self._stamp = stamp
+        finished, queued = self._read_finished(), self._read_queued()
+        new_finish, new_queue = finished != self._last_finished, bool(queued - self._queued_ids)
+        self._last_finished, self._queued_ids = finished, queued
+        if new_finish or new_queue:
+            with self._changed:
+                self.finished += new_finish
+                self.queued += new_queue
+                self._changed.notify_all()
+        return new_finish, new_queue
+
+    def _loop(self) -> None:
+        while not self._shutdown.wait(self.poll_seconds):
+            try:
+                self.poll()
+            except Exception as error:  # a storage hiccup must not end the watch: the loops still run on their timers
+                log.warning("run watch: reading the run storage failed: %s", error)
+        with self._changed:
+            self._changed.notify_all()
+
+    def start(self) -> "RunWatch":
+        self._thread.start()
+        return self
+
+    def seen(self) -> tuple[int, int]:
+        """The counters now, ``(finished, queued)``: pass them to :meth:`wait`."""
+        with self._changed:
+            return self.finished, self.queued
+
+    def wait(self, timeout: float, since: tuple[int, int], queued_too: bool) -> tuple[int, int]:
+        """Block until a run finished (or, with ``queued_too``, was queued) after ``since`` was
+        read, the shutdown event is set, or ``timeout`` seconds passed.
+
+        Returns:
+            The counters when it returned (the next call's ``since``).
+        """
+
+        def news() -> bool:
+            return self.finished > since[0] or (queued_too and self.queued > since[1]) or self._shutdown.is_set()
+
+        with self._changed:
+            self._changed.wait_for(news, timeout=max(0.0, timeout))
+            return self.finished, self.queued
+
+
+def _sqlite_file(run_storage) -> str | None:
+    """The database file of Dagster's SQLite run storage (``None`` for any other storage)."""
+    from dagster._core.storage.runs.sqlite.sqlite_run_storage import SqliteRunStorage
+
+    from flow_assets.runtime.instance import db_path
+
+    conn_string = getattr(run_storage, "_conn_string", None)
+    return db_path(conn_string) if isinstance(run_storage, SqliteRunStorage) and conn_string else None
+
+
+class _WakingShutdown:
+    """Stands in for a daemon's shutdown event inside its loop: ``wait(t)`` returns as soon as
+    ``watch`` sees news (what is new since the previous ``wait`` returned), the shutdown event is
+    set, or ``t`` seconds pass; everything else is the real event's.
+
+    ``min_gap``: seconds a wait woken by news still lasts at least, counted from when it was
+    called (the end of the loop's previous iteration), never past ``t``. The sensor loop needs it:
+    Dagster skips a sensor ticked less than its ``minimum_interval_seconds`` ago, so an iteration
+    woken too soon after the previous one would skip the very sensor the news is for.
+    """
+
+    def __init__(self, shutdown: threading.Event, watch: RunWatch, queued_too: bool, min_gap: float = 0.0):
+        self._shutdown, self._watch, self._queued_too, self._min_gap = shutdown, watch, queued_too, min_gap
+        self._since = watch.seen()
+        #: whether the last ``wait`` ended for news
+        self.woke = False
+
+    def is_set(self) -> bool:
+        return self._shutdown.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        called, since = time.monotonic(), self._since
+        timeout = 3600.0 if timeout is None else max(0.0, timeout)
+        self._since = self._watch.wait(timeout, since, self._queued_too)
+        self.woke = self._since[0] > since[0] or (self._queued_too and self._since[1] > since[1])
+        if self.woke and not self._shutdown.is_set():
+            rest = called + min(self._min_gap, timeout) - time.monotonic()
+            if rest > 0:
+                self._shutdown.wait(rest)
+        return self._shutdown.is_set()
+
+    def __getattr__(self, name: str):
+        return getattr(self._shutdown, name)
+
+
+def _watched(core_loop, queued_too: bool, poll_seconds: float, min_gap: float = 0.0):
+    """``core_loop`` (a Dagster daemon's generator method) run with :class:`_WakingShutdown` for
+    its shutdown event, and a :class:`RunWatch` of its own for as long as it runs."""
+
+    @functools.wraps(core_loop)
+    def loop(self, workspace_process_context, shutdown_event):
+        watch = RunWatch(workspace_process_context.instance, poll_seconds, shutdown_event).start()
+        yield from core_loop(self, workspace_process_context, _WakingShutdown(shutdown_event, watch, queued_too, min_gap))
+
+    return loop
+
+
+def _dequeue_loop(self, workspace_process_context, shutdown_event):
+    """The run queue's loop (``QueuedRunCoordinatorDaemon``): an iteration, then a wait of the
+    rest of the dequeue interval that ends early when ``shutdown_event`` (a
+    :class:`_WakingShutdown`) says a run was queued or finished. Dagster's own loop waits out the
+    interval in 0.5 s slices whatever happens."""
+    from dagster._daemon.daemon import SpanMarker
+    from dagster._utils.error import serializable_error_info_from_exc_info
+
+    while not shutdown_event.is_set():
+        started = time.monotonic()
+        yield SpanMarker.START_SPAN
+        try:
+            yield from self.run_iteration(workspace_process_context)
+        except Exception:
+            error = serializable_error_info_from_exc_info(sys.exc_info())
+            self._logger.error("Caught error:\n%s", error)
+            yield error
+        yield SpanMarker.END_SPAN
+        # wake early for news, but keep yielding at least every 0.5 s for the daemon's heartbeat
+        while (left := self.interval_seconds - (time.monotonic() - started)) > 0:
+            if shutdown_event.wait(min(left, 0.5)):
+                return
+            yield None
+            if shutdown_event.woke:
+                break
+        yield None
+
+
+def install_run_watch(poll_seconds: float, sensor_interval_seconds: float = 0.0) -> bool:
+    """Make this process's Dagster sensor daemon and run queue wake when a run finishes or is
+    queued, seen by a :class:`RunWatch` every ``poll_seconds``, instead of sleeping out their loop
+    times. Call it before the daemon threads start. A woken sensor loop still starts its next
+    iteration no sooner than ``sensor_interval_seconds`` (the sensors' ``minimum_interval_seconds``)
+    after its previous one ended, nor later than its loop time: a sensor ticks right after a run
+    finishes if its interval allows, never more often than its interval.
+
+    Returns:
+        Whether this Dagster release has the daemon classes and the shapes patched (false:
+        nothing was changed, a warning says so).
+
+    Raises:
+        ValueError: ``poll_seconds`` is not positive.
+    """
+    if not poll_seconds > 0:
+        raise ValueError(f"the run watch's poll time must be positive seconds, got {poll_seconds!r}")
+    try:
+        from dagster._daemon.daemon import SensorDaemon, SpanMarker
+        from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
+    except ImportError as error:
+        warnings.warn(f"this Dagster release has not the daemons flowopt's run watch wakes ({error}): they keep their own timers", stacklevel=2)
+        return False
+    if "core_loop" not in vars(SensorDaemon) or not hasattr(QueuedRunCoordinatorDaemon, "run_iteration") or not hasattr(SpanMarker, "START_SPAN"):
+        warnings.warn("this Dagster release's daemons are not the shape flowopt's run watch wakes: they keep their own timers", stacklevel=2)
+        return False
+    SensorDaemon.core_loop = _watched(SensorDaemon.core_loop, queued_too=False, poll_seconds=poll_seconds, min_gap=sensor_interval_seconds)
+    QueuedRunCoordinatorDaemon.core_loop = _watched(_dequeue_loop, queued_too=True, poll_seconds=poll_seconds)
+    return True
+
+
+def run_daemon(argv: list[str], sensor_loop_seconds: float = DEFAULT_SENSOR_LOOP_SECONDS, run_watch_seconds: float = 0.0, sensor_interval_seconds: float = 0.0) -> int:
     """Run ``dagster-daemon`` with ``argv`` (e.g. ``["run", "-w", "workspace.yaml"]``) in this
     process, its sensor loop set to ``sensor_loop_seconds`` first (:func:`set_sensor_loop`; the
-    default leaves Dagster's own).
+    default leaves Dagster's own) and, with ``run_watch_seconds`` > 0, its sensor loop and run
+    queue woken by a :class:`RunWatch` that polls that often (:func:`install_run_watch`; a woken
+    sensor loop waits for ``sensor_interval_seconds``, the sensors' minimum interval).
 
     Returns:
         ``dagster-daemon``'s exit status.
 
     Raises:
-        ValueError: ``sensor_loop_seconds`` is not positive.
+        ValueError: ``sensor_loop_seconds`` is not positive, or ``run_watch_seconds`` is negative.
     """
+    if run_watch_seconds < 0:
+        raise ValueError(f"the run watch's poll time must be >= 0 seconds (0: off), got {run_watch_seconds!r}")
     if sensor_loop_seconds != DEFAULT_SENSOR_LOOP_SECONDS:
         set_sensor_loop(sensor_loop_seconds)
+    if run_watch_seconds:
+        install_run_watch(run_watch_seconds, sensor_interval_seconds)
     from dagster._daemon.cli import create_dagster_daemon_cli
 
     try:

@@ -52,7 +52,8 @@ _lock = threading.Lock()
 _initialised: set[str] = set()  # absolute paths of SQLite files this process found initialised
 
 
-def _db_path(conn_string: str) -> str:
+def db_path(conn_string: str) -> str:
+    """The absolute path of the file a ``sqlite:///...`` connection string opens."""
     return os.path.abspath(conn_string.removeprefix("sqlite:///"))
 
 
@@ -103,7 +104,7 @@ class _CheckedOnceFromLocal:
     @classmethod
     def from_local(cls, base_dir: str, inst_data: ConfigurableClassData | None = None):
         conn_string = create_db_conn_string(base_dir, cls._db_name)
-        path = _db_path(conn_string)
+        path = db_path(conn_string)
         if schema_checked(path):
             return cls(conn_string, inst_data)
         if stamped(path, cls._required_tables):
@@ -146,7 +147,7 @@ class CheckedSqliteEventLogStorage(SqliteEventLogStorage):
     def _initdb(self, engine, for_index_shard=False) -> None:
         # Dagster calls this on a storage's first connection to each shard; the check inside it
         # is the part that costs, and its answer does not change while the file exists
-        path = _db_path(str(engine.url))
+        path = db_path(str(engine.url))
         if schema_checked(path):
             return
         if stamped(path):

@@ -1,0 +1,165 @@
+"""``flowopt daemon``'s run watch: it sees runs finish and runs queued in a real instance's run
+storage (written by another process, as a run worker writes it), wakes whoever waits at once, and
+the run queue's loop it drives starts its next iteration at the news instead of at the end of its
+interval."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from dagster import DagsterRunStatus
+from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+from dagster._core.test_utils import create_run_for_test
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+
+import flow_assets.runtime.daemon as daemon_module
+from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _WakingShutdown, run_daemon
+from flow_assets.runtime.local import REPO_ROOT, local_instance
+
+#: a queued run must name the code location it comes from; nothing here loads it
+ORIGIN = RemoteJobOrigin(RemoteRepositoryOrigin(InProcessCodeLocationOrigin(LoadableTargetOrigin(python_file=__file__)), "repo"), "job")
+
+
+def _queue(instance):
+    """A new run, moved to QUEUED the way Dagster's queued run coordinator does it."""
+    run = create_run_for_test(instance, job_name="job", remote_job_origin=ORIGIN)
+    instance.report_dagster_event(DagsterEvent(event_type_value=DagsterEventType.RUN_ENQUEUED.value, job_name="job"), run_id=run.run_id)
+    assert instance.get_run_by_id(run.run_id).status == DagsterRunStatus.QUEUED
+    return run
+
+
+def _finish_elsewhere(home, run_id: str) -> None:
+    """Fail ``run_id`` from another process (a run worker's place), on the same instance."""
+    code = (
+        "import sys; from flow_assets.runtime.local import local_instance\n"
+        "i = local_instance(sys.argv[1]); i.report_run_failed(i.get_run_by_id(sys.argv[2]))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(home), run_id], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+def test_a_poll_sees_a_run_queued_and_a_run_finished_and_nothing_else(tmp_path):
+    instance = local_instance(tmp_path / "home")
+    watch = RunWatch(instance, 0.05, threading.Event())
+    assert watch.poll() == (False, False)
+    run = _queue(instance)
+    assert watch.poll() == (False, True)
+    assert watch.poll() == (False, False)  # still queued: not news again
+    _finish_elsewhere(tmp_path / "home", run.run_id)
+    assert watch.poll() == (True, False)
+    assert watch.poll() == (False, False)
+    assert watch.seen() == (1, 1)
+
+
+def test_an_unchanged_run_database_is_not_read(tmp_path, monkeypatch):
+    """With SQLite the watch reads the run table only when the database file changed: a poll of an
+    idle instance is a ``stat``, not two queries (about 10 ms of CPU each poll, four times a second)."""
+    instance = local_instance(tmp_path / "home")
+    watch = RunWatch(instance, 0.05, threading.Event())
+    reads = []
+    real = instance.get_run_records
+    monkeypatch.setattr(instance, "get_run_records", lambda *a, **k: reads.append(1) or real(*a, **k))
+    for _ in range(20):
+        assert watch.poll() == (False, False)
+    assert reads == []
+    _queue(instance)
+    assert watch.poll() == (False, True) and len(reads) == 1
+
+
+def test_a_waiter_wakes_when_another_process_finishes_a_run(tmp_path):
+    instance = local_instance(tmp_path / "home")
+    run = _queue(instance)
+    stop = threading.Event()
+    watch = RunWatch(instance, 0.05, stop).start()
+    try:
+        since = watch.seen()
+        threading.Timer(0.2, _finish_elsewhere, (tmp_path / "home", run.run_id)).start()
+        started = time.monotonic()
+        now = watch.wait(300.0, since, queued_too=False)
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+    assert now == (since[0] + 1, since[1]), "the wait ended without news"
+    assert waited < 120.0  # it ended at the news (the other process: a few seconds), not after 300 s
+
+
+def test_the_run_queue_loop_starts_its_next_iteration_when_a_run_is_queued(tmp_path):
+    """:func:`_dequeue_loop` on a stand-in for Dagster's queue daemon whose interval is 600 s: the
+    second iteration follows a newly queued run, not the interval; the loop ends at shutdown."""
+    instance = local_instance(tmp_path / "home")
+    shutdown = threading.Event()
+    watch = RunWatch(instance, 0.05, shutdown).start()
+    iterations: list[float] = []
+
+    class QueueDaemon:
+        interval_seconds = 600.0
+        _logger = None
+
+        def run_iteration(self, context):
+            iterations.append(time.monotonic())
+            yield None
+
+    def drive():
+        for _ in _dequeue_loop(QueueDaemon(), None, _WakingShutdown(shutdown, watch, queued_too=True)):
+            pass
+
+    loop = threading.Thread(target=drive, daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not iterations and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _queue(instance)
+        while len(iterations) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        shutdown.set()
+        loop.join(timeout=30)
+    assert len(iterations) == 2 and not loop.is_alive()
+
+
+def test_a_woken_sensor_loop_waits_out_the_sensors_minimum_interval_but_not_its_loop_time(tmp_path):
+    """Dagster skips a sensor ticked less than its minimum interval ago: a sensor loop woken by a
+    run that ends 0.1 s after an iteration still starts the next one a whole interval (here 1.5 s)
+    after the previous ended, and never later than its own loop time."""
+    instance = local_instance(tmp_path / "home")
+    shutdown = threading.Event()
+    watch = RunWatch(instance, 0.05, shutdown).start()
+    try:
+        for loop_time, least, most in ((30.0, 1.5, 25.0), (0.8, 0.75, 20.0)):
+            run = _queue(instance)
+            event = _WakingShutdown(shutdown, watch, queued_too=False, min_gap=1.5)
+            threading.Timer(0.1, instance.report_run_failed, (instance.get_run_by_id(run.run_id),)).start()
+            started = time.monotonic()
+            assert event.wait(loop_time) is False
+            waited = time.monotonic() - started
+            assert least <= waited < most, (loop_time, waited)
+    finally:
+        shutdown.set()
+
+
+def test_the_watch_is_installed_on_dagsters_daemons_and_a_bad_poll_time_is_refused(monkeypatch):
+    from dagster._daemon.daemon import SensorDaemon
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
+
+    monkeypatch.setattr(SensorDaemon, "core_loop", SensorDaemon.core_loop)
+    monkeypatch.setattr(QueuedRunCoordinatorDaemon, "core_loop", QueuedRunCoordinatorDaemon.core_loop)
+    sensor_loop = SensorDaemon.core_loop
+    assert daemon_module.install_run_watch(0.25) is True
+    assert SensorDaemon.core_loop.__wrapped__ is sensor_loop
+    assert QueuedRunCoordinatorDaemon.core_loop.__wrapped__ is _dequeue_loop
+    with pytest.raises(ValueError, match="positive"):
+        daemon_module.install_run_watch(0)
+    with pytest.raises(ValueError, match="poll time"):
+        run_daemon(["--version"], run_watch_seconds=-1)
+
+
+def test_the_sensor_loop_time_is_set_on_dagsters_sensor_daemon(monkeypatch):
+    import dagster._daemon.sensor as sensor_daemon
+
+    monkeypatch.setattr(sensor_daemon, "MIN_INTERVAL_LOOP_TIME", sensor_daemon.MIN_INTERVAL_LOOP_TIME)
+    assert daemon_module.set_sensor_loop(2.5) is True and sensor_daemon.MIN_INTERVAL_LOOP_TIME == 2.5
+    with pytest.raises(ValueError, match="positive"):
+        daemon_module.set_sensor_loop(0)
