@@ -59,6 +59,9 @@ def set_sensor_loop(seconds: float) -> bool:
     return True
 
 
+#: least seconds between two reads of a run storage on a database server: each read is two
+#: queries, which a SQLite file's ``stat`` cannot stand in for there
+SERVER_POLL_SECONDS = 1.0
 #: run statuses after which a sensor may have something new to do
 FINISHED_STATUSES = ("SUCCESS", "FAILURE", "CANCELED")
 
@@ -76,7 +79,8 @@ class RunWatch:
     A poll reads the run table (the most recently updated finished run, and the ids of up to 100
     queued runs: ~10 ms of CPU with SQLite, most of it opening connections) only when it may have
     changed: with Dagster's SQLite run storage, when the database file's modification time or size
-    moved (a ``stat``: microseconds); with any other storage, every poll.
+    moved (a ``stat``: microseconds); any other storage (PostgreSQL) is read at most once a
+    second (:data:`SERVER_POLL_SECONDS`), whatever ``poll_seconds`` says.
 
     Args:
         instance: the Dagster instance whose runs to watch (its run storage must be safe to read
@@ -96,6 +100,8 @@ class RunWatch:
         #: changes seen so far: finished runs, newly queued runs (monotonic counters)
         self.finished = self.queued = 0
         self._db_file = _sqlite_file(instance.run_storage)
+        if self._db_file is None:
+            self.poll_seconds = max(poll_seconds, SERVER_POLL_SECONDS)
         self._stamp = self._file_stamp()
         self._last_finished = self._read_finished()
         self._queued_ids = self._read_queued()

@@ -68,6 +68,25 @@ def test_an_unchanged_run_database_is_not_read(tmp_path, monkeypatch):
     assert watch.poll() == (False, True) and len(reads) == 1
 
 
+def test_a_run_storage_on_postgresql_is_read_at_most_once_a_second_and_its_runs_are_seen(tmp_path):
+    """Without a SQLite file to ``stat``, every poll is two queries: the watch polls a PostgreSQL
+    run storage no more than once a second, and sees its runs as it sees SQLite's."""
+    from dagster import instance_for_test
+
+    from flow_assets.runtime.daemon import SERVER_POLL_SECONDS
+    from tests.conftest import postgres_database
+
+    with postgres_database() as db, instance_for_test(temp_dir=str(tmp_path), overrides={"storage": {"postgres": {"postgres_db": db}}}) as instance:
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        watch = RunWatch(instance, 0.1, threading.Event())
+        assert watch.poll_seconds == SERVER_POLL_SECONDS == 1.0
+        assert watch.poll() == (False, False)
+        run = _queue(instance)
+        assert watch.poll() == (False, True)
+        instance.report_run_failed(instance.get_run_by_id(run.run_id))
+        assert watch.poll() == (True, False)
+
+
 def test_a_waiter_wakes_when_another_process_finishes_a_run(tmp_path):
     instance = local_instance(tmp_path / "home")
     run = _queue(instance)
