@@ -86,7 +86,8 @@ class RunWatch:
         instance: the Dagster instance whose runs to watch (its run storage must be safe to read
             from another thread: Dagster's SQL storages are).
         poll_seconds: seconds between two reads, > 0.
-        shutdown: an event that stops the thread; waiters return within ``poll_seconds`` of it.
+        shutdown: an event that stops the thread (as :meth:`stop` does); waiters return within
+            ``poll_seconds`` of it.
 
     Raises:
         ValueError: ``poll_seconds`` is not positive.
@@ -96,7 +97,7 @@ class RunWatch:
         if not poll_seconds > 0:
             raise ValueError(f"the run watch's poll time must be positive seconds, got {poll_seconds!r}")
         self._instance, self.poll_seconds, self._shutdown = instance, poll_seconds, shutdown
-        self._changed = threading.Condition()
+        self._changed, self._stopped = threading.Condition(), threading.Event()
         #: changes seen so far: finished runs, newly queued runs (monotonic counters)
         self.finished = self.queued = 0
         self._db_file = _sqlite_file(instance.run_storage)
@@ -150,7 +151,7 @@ class RunWatch:
         return new_finish, new_queue
 
     def _loop(self) -> None:
-        while not self._shutdown.wait(self.poll_seconds):
+        while not self._stopped.wait(self.poll_seconds) and not self._shutdown.is_set():
             try:
                 self.poll()
             except Exception as error:  # a storage hiccup must not end the watch: the loops still run on their timers
@@ -161,6 +162,10 @@ class RunWatch:
     def start(self) -> "RunWatch":
         self._thread.start()
         return self
+
+    def stop(self) -> None:
+        """End the thread (within ``poll_seconds``)."""
+        self._stopped.set()
 
     def seen(self) -> tuple[int, int]:
         """The counters now, ``(finished, queued)``: pass them to :meth:`wait`."""
@@ -235,7 +240,10 @@ def _watched(core_loop, queued_too: bool, poll_seconds: float, min_gap: float = 
     @functools.wraps(core_loop)
     def loop(self, workspace_process_context, shutdown_event):
         watch = RunWatch(workspace_process_context.instance, poll_seconds, shutdown_event).start()
-        yield from core_loop(self, workspace_process_context, _WakingShutdown(shutdown_event, watch, queued_too, min_gap))
+        try:
+            yield from core_loop(self, workspace_process_context, _WakingShutdown(shutdown_event, watch, queued_too, min_gap))
+        finally:  # Dagster may start the loop again after an error: one watch per loop that runs
+            watch.stop()
 
     return loop
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from dagster import DagsterRunStatus
@@ -16,7 +17,7 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 import flow_assets.runtime.daemon as daemon_module
-from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _WakingShutdown, run_daemon
+from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _watched, _WakingShutdown, run_daemon
 from flow_assets.runtime.local import REPO_ROOT, local_instance
 
 #: a queued run must name the code location it comes from; nothing here loads it
@@ -105,11 +106,11 @@ def test_a_waiter_wakes_when_another_process_finishes_a_run(tmp_path):
 
 
 def test_the_run_queue_loop_starts_its_next_iteration_when_a_run_is_queued(tmp_path):
-    """:func:`_dequeue_loop` on a stand-in for Dagster's queue daemon whose interval is 600 s: the
-    second iteration follows a newly queued run, not the interval; the loop ends at shutdown."""
+    """:func:`_dequeue_loop`, watched as :func:`install_run_watch` installs it, on a stand-in for
+    Dagster's queue daemon whose interval is 600 s: the second iteration follows a newly queued
+    run, not the interval; the loop ends at shutdown, and its watch thread with it."""
     instance = local_instance(tmp_path / "home")
     shutdown = threading.Event()
-    watch = RunWatch(instance, 0.05, shutdown).start()
     iterations: list[float] = []
 
     class QueueDaemon:
@@ -120,23 +121,42 @@ def test_the_run_queue_loop_starts_its_next_iteration_when_a_run_is_queued(tmp_p
             iterations.append(time.monotonic())
             yield None
 
-    def drive():
-        for _ in _dequeue_loop(QueueDaemon(), None, _WakingShutdown(shutdown, watch, queued_too=True)):
-            pass
-
-    loop = threading.Thread(target=drive, daemon=True)
-    loop.start()
+    before = set(threading.enumerate())
+    loop = _watched(_dequeue_loop, queued_too=True, poll_seconds=0.05)(QueueDaemon(), SimpleNamespace(instance=instance), shutdown)
+    driver = threading.Thread(target=lambda: [None for _ in loop], daemon=True)
+    driver.start()
     try:
         deadline = time.monotonic() + 60
         while not iterations and time.monotonic() < deadline:
             time.sleep(0.05)
+        (watch_thread,) = [t for t in set(threading.enumerate()) - before if t.name == "flowopt-run-watch"]
         _queue(instance)
         while len(iterations) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         shutdown.set()
-        loop.join(timeout=30)
-    assert len(iterations) == 2 and not loop.is_alive()
+        driver.join(timeout=30)
+    assert len(iterations) == 2 and not driver.is_alive()
+    watch_thread.join(timeout=30)
+    assert not watch_thread.is_alive()
+
+
+def test_a_watched_loop_closed_early_stops_its_watch(tmp_path):
+    """Dagster may start a daemon's loop again after an error: the loop it drops takes its watch
+    thread with it, with no shutdown."""
+    instance = local_instance(tmp_path / "home")
+
+    def core_loop(self, context, shutdown_event):
+        while True:
+            yield None
+
+    before = set(threading.enumerate())
+    loop = _watched(core_loop, queued_too=False, poll_seconds=0.05)(None, SimpleNamespace(instance=instance), threading.Event())
+    next(loop)
+    (watch_thread,) = [t for t in set(threading.enumerate()) - before if t.name == "flowopt-run-watch"]
+    loop.close()
+    watch_thread.join(timeout=30)
+    assert not watch_thread.is_alive()
 
 
 def test_a_woken_sensor_loop_waits_out_the_sensors_minimum_interval_but_not_its_loop_time(tmp_path):
