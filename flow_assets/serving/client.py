@@ -38,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from flow_assets.serving.tls import default_tls_context
+
 
 class RolloutClientError(RuntimeError):
     """The gateway refused to open or finish a rollout (its status code and error message)."""
@@ -148,7 +150,7 @@ class rollout:  # noqa: N801 - used as a context manager, named like one (contex
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def __enter__(self) -> Rollout:
-        with httpx.Client(timeout=self.timeout_s) as http:
+        with httpx.Client(timeout=self.timeout_s, verify=default_tls_context()) as http:
             response = http.post(f"{self.gateway_url}/rollouts", json=self.settings, headers=self._headers())
         return self._opened(_checked(response, "opening a rollout"))
 
@@ -157,7 +159,7 @@ class rollout:  # noqa: N801 - used as a context manager, named like one (contex
         body = handle._finish_body(exc) if handle is not None else None
         if body is None:
             return
-        with httpx.Client(timeout=self.timeout_s) as http:
+        with httpx.Client(timeout=self.timeout_s, verify=default_tls_context()) as http:
             response = http.post(f"{self.gateway_url}/rollouts/{handle.rollout_id}/finish", json=body, headers=self._headers())
         if exc is None:
             handle.landed = _checked(response, f"finishing rollout {handle.rollout_id}")
@@ -165,7 +167,7 @@ class rollout:  # noqa: N801 - used as a context manager, named like one (contex
             handle.landed = response.json()
 
     async def __aenter__(self) -> Rollout:
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=default_tls_context()) as http:
             response = await http.post(f"{self.gateway_url}/rollouts", json=self.settings, headers=self._headers())
         return self._opened(_checked(response, "opening a rollout"))
 
@@ -174,7 +176,7 @@ class rollout:  # noqa: N801 - used as a context manager, named like one (contex
         body = handle._finish_body(exc) if handle is not None else None
         if body is None:
             return
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=default_tls_context()) as http:
             response = await http.post(f"{self.gateway_url}/rollouts/{handle.rollout_id}/finish", json=body, headers=self._headers())
         if exc is None:
             handle.landed = _checked(response, f"finishing rollout {handle.rollout_id}")

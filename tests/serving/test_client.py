@@ -78,3 +78,37 @@ def test_async_with_and_gateway_tokens(fresh_policy_dir, tmp_path):
     assert landed["llm_calls"] == 1
     (trajectory,) = _landed(tmp_path).values()
     assert trajectory.outcome.success is True and len(trajectory.steps[0].token_ids) == 3
+
+
+def test_opening_and_finishing_rollouts_builds_no_tls_context_per_rollout(fresh_policy_dir, tmp_path, monkeypatch):
+    """Each client the helper makes shares one TLS context: building one costs ~21 ms of CPU,
+    which two clients a rollout (open, finish) paid before, sync and ``async with`` alike."""
+    import ssl
+
+    built = []
+    create = ssl.create_default_context
+
+    def counted(*args, **kwargs):
+        built.append(args or kwargs)
+        return create(*args, **kwargs)
+
+    with GatewayServer(make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path)) as server:
+        with rollout(server.url, task_id="warm", batch="b") as r:  # the process's one context, if not built yet
+            r.reward(score=1.0)
+        monkeypatch.setattr(ssl, "create_default_context", counted)
+
+        async def three_async() -> list:
+            out = []
+            for k in range(3):
+                async with rollout(server.url, task_id=f"a{k}", batch="b") as a:
+                    a.reward(score=0.0)
+                out.append(a.landed)
+            return out
+
+        landed = asyncio.run(three_async())
+        for k in range(3):
+            with rollout(server.url, task_id=f"s{k}", batch="b") as s:
+                s.reward(score=1.0)
+            landed.append(s.landed)
+    assert len(landed) == 6 and all(x is not None for x in landed)
+    assert built == []
