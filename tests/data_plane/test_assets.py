@@ -93,8 +93,9 @@ def test_rematerialising_with_other_config_replaces_exactly_that_partition(inges
 
 
 def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, monkeypatch):
-    """The data plane streams a batch chunk by chunk, and may validate the chunks in worker
-    processes; neither chunk boundaries nor workers may change a row."""
+    """The data plane streams a batch chunk by chunk, and may validate the chunks and build the
+    trajectories and steps rows in worker processes; neither chunk boundaries nor workers may
+    change a row."""
     import orjson
     import pyarrow.parquet as pq
     from dagster import instance_for_test
@@ -116,13 +117,15 @@ def test_a_batch_streamed_in_many_small_chunks_gives_the_same_tables(tmp_path, m
         (tmp_path / name / "home").mkdir()
         with instance_for_test(temp_dir=str(tmp_path / name / "home")) as instance:  # each run its own instance
             (key,) = [r.partition_key for r in tick_sensor(defs, instance, "new_logs_sensor").run_requests]
-            config = {"ops": {"interaction_logs": {"config": {"parse_workers": parse_workers}}}}
+            config = {"ops": {"interaction_logs": {"config": {"parse_workers": parse_workers}},
+                              "trajectories": {"config": {"table_workers": parse_workers}}}}  # fmt: skip
             result = defs.resolve_job_def("log_batch_job").execute_in_process(
                 instance=instance, partition_key=key, run_config=config
             )
             assert result.success
             workers = result.asset_materializations_for_node("interaction_logs")[0].metadata["parse_workers"]
-            assert workers.value == parse_workers
+            table_workers = result.asset_materializations_for_node("trajectories")[0].metadata["table_workers"]
+            assert workers.value == table_workers.value == parse_workers
         return TrajectoryLake(root=str(lake_root)), key
 
     whole, key = run("whole")
