@@ -207,8 +207,7 @@ def trajectories(context: AssetExecutionContext, config: TrajectoriesConfig, lak
     source = lake.batch_manifest(key).source
     # one core built these rows at ~4.3 s per 1M steps while the other idled: a batch large
     # enough for parse workers gets table workers too (the same rows, in the same order)
-    snapshot = lake.batch_snapshot(key)
-    workers = worker_count(config.table_workers, snapshot) if config.table_workers or snapshot.exists() else 1
+    workers = worker_count(config.table_workers, lake.batch_snapshot(key))
     with (
         lake.partition_writer("trajectories", key, TRAJECTORIES_SCHEMA) as traj_out,
         lake.partition_writer("steps", key, STEPS_SCHEMA) as steps_out,
