@@ -4,6 +4,7 @@ serving mode on the tiny calculator policy (no other OpenAI-compatible server ca
 machine), behind a bearer token that plays the hosted API's key."""
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from flow_assets.serving.gateway.upstream import REDACTED, StreamedChoice, Upstr
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
 from resources.registry import AdapterRegistry
 from tests.conftest import run_cli
-from tests.serving.test_streaming import LONG, leave_mid_call
+from tests.serving.test_streaming import LONG
 
 KEY = "sk-upstream-7f3a9c1e"  # the upstream's API key: it must never leave the proxy's memory
 
@@ -270,25 +271,40 @@ def test_a_call_the_prompt_version_makes_fail_is_that_versions_failure_in_the_tr
 
 
 def test_an_agent_that_leaves_a_plain_call_cancels_the_upstreams_generation(fresh_policy_dir, tmp_path):
-    """The proxy closes its upstream call when its agent goes away (a timeout), so the upstream
-    (here a flowopt gateway, which counts such cancellations) stops generating for nobody."""
+    """The proxy closes its upstream call when its agent goes away mid-generation, so the upstream
+    (here a flowopt gateway, which counts such cancellations) stops generating for nobody.
+
+    The agent leaves once the upstream is decoding its call, not after a fixed timeout: under load
+    a timeout fired before the proxy's call had reached the upstream (the proxy counted its agent
+    leaving, the upstream had nothing to cancel; a fresh clone's CI, 2026-12-06)."""
 
     def cancelled(url: str) -> float:
         metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith('flowopt_gateway_cancelled_total{mode="plain"}'))
 
-    # the fresh tiny policy's 64 greedy completions run to max_tokens (tests/serving/test_streaming.py);
-    # the agent gives up mid-generation
-    with GatewayServer(make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path / "upstream"), tokens=[KEY]) as upstream:
+    # the fresh tiny policy's 64 greedy completions run to max_tokens (tests/serving/test_streaming.py)
+    upstream_gateway = make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path / "upstream")
+    with GatewayServer(upstream_gateway, tokens=[KEY]) as upstream:
         with _proxy(upstream.url + "/v1", tmp_path) as proxy:
 
-            def call(attempt: int, timeout: float) -> None:
-                client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=timeout)
-                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ab"}], **LONG)
+            async def leave_while_the_upstream_decodes() -> int:
+                batcher = upstream_gateway.batcher
+                steps = batcher.steps
+                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
+                call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ab"}], **LONG))
+                while batcher.steps == steps and not call.done():
+                    await asyncio.sleep(0.002)
+                assert not call.done(), "the upstream finished its 64 x 110 tokens within one decoding step"
+                call.cancel()  # the agent goes away: its connection to the proxy closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+                await client.close()
+                return batcher.steps - steps
 
-            leave_mid_call(call)
+            left_at_step = asyncio.run(leave_while_the_upstream_decodes())
             deadline = time.monotonic() + 60
             while cancelled(upstream.url) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert cancelled(proxy.url) == 1  # the proxy saw its agent leave
-            assert cancelled(upstream.url) == 1  # and the upstream stopped generating
+            # and the upstream stopped generating
+            assert cancelled(upstream.url) == 1, f"the agent left at the upstream's decoding step {left_at_step}"
