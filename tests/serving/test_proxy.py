@@ -4,7 +4,6 @@ serving mode on the tiny calculator policy (no other OpenAI-compatible server ca
 machine), behind a bearer token that plays the hosted API's key."""
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,7 +27,7 @@ from flow_assets.serving.gateway.upstream import REDACTED, StreamedChoice, Upstr
 from flow_assets.tasks.calculator import CALCULATOR_TOOL, execute_tool_call
 from resources.registry import AdapterRegistry
 from tests.conftest import run_cli
-from tests.serving.test_streaming import LONG
+from tests.serving.test_streaming import LONG, leave_while_decoding
 
 KEY = "sk-upstream-7f3a9c1e"  # the upstream's API key: it must never leave the proxy's memory
 
@@ -283,25 +282,14 @@ def test_an_agent_that_leaves_a_plain_call_cancels_the_upstreams_generation(fres
         return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith('flowopt_gateway_cancelled_total{mode="plain"}'))
 
     # the fresh tiny policy's 64 greedy completions run to max_tokens (tests/serving/test_streaming.py)
-    upstream_gateway = make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path / "upstream")
-    with GatewayServer(upstream_gateway, tokens=[KEY]) as upstream:
+    with GatewayServer(make_gateway(PolicyStore(str(fresh_policy_dir)), tmp_path / "upstream"), tokens=[KEY]) as upstream:
         with _proxy(upstream.url + "/v1", tmp_path) as proxy:
 
-            async def leave_while_the_upstream_decodes() -> int:
-                batcher = upstream_gateway.batcher
-                steps = batcher.steps
-                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
-                call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ab"}], **LONG))
-                while batcher.steps == steps and not call.done():
-                    await asyncio.sleep(0.002)
-                assert not call.done(), "the upstream finished its 64 x 110 tokens within one decoding step"
-                call.cancel()  # the agent goes away: its connection to the proxy closes
-                with contextlib.suppress(asyncio.CancelledError):
-                    await call
-                await client.close()
-                return batcher.steps - steps
+            async def call() -> None:
+                async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120) as agent:
+                    await agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "ab"}], **LONG)
 
-            left_at_step = asyncio.run(leave_while_the_upstream_decodes())
+            left_at_step = leave_while_decoding(upstream.gateway.batcher, call)
             deadline = time.monotonic() + 60
             while cancelled(upstream.url) == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)

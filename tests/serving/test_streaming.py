@@ -1,6 +1,8 @@
 """Chat Completions streaming and the rollout id as the API key, over real HTTP with the official
 ``openai`` client on the real tiny model."""
 
+import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -25,21 +27,31 @@ def _landed(path: str) -> dict[str, Trajectory]:
 
 #: a call that decodes for a while on CPU: the fresh tiny policy's greedy completion runs to max_tokens
 LONG = {"n": 64, "temperature": 0.0, "max_tokens": 110}
-#: how long a client waits before it gives up on a LONG call, shortest last: a fixed 0.3 s was
-#: outrun by an idle machine (64 x 110 tokens in under 0.3 s), and under load one call took 1.6
-#: to 12 s, so no single value both comes first and leaves time for the first token
-PATIENCE = (0.3, 0.1, 0.03, 0.01)
 
 
-def leave_mid_call(call) -> int:
-    """``call(attempt, timeout)`` with each timeout of :data:`PATIENCE` in turn until one times out
-    (it raises ``httpx.TimeoutException`` or ``openai.APITimeoutError``); the attempt that did."""
-    for attempt, timeout in enumerate(PATIENCE):
-        try:
-            call(attempt, timeout)
-        except (httpx.TimeoutException, openai.APITimeoutError):
-            return attempt
-    pytest.fail(f"every LONG call finished before its client gave up ({PATIENCE} s)")
+def leave_while_decoding(batcher, send) -> int:
+    """Runs ``send()`` (a coroutine function: an agent's call) and cancels it, which closes its
+    connection, once ``batcher`` (the serving gateway's) has decoded a step since: the agent leaves
+    mid-generation whatever the machine's load. Fixed client timeouts did not: on an idle machine
+    the call could finish first, and under load the timeout fired before a proxy had passed the
+    call on (a fresh clone's CI, 2026-12-06). Returns the decoding steps run by the time it left.
+
+    Raises:
+        AssertionError: the call finished before a step was seen.
+    """
+
+    async def leave() -> int:
+        steps = batcher.steps
+        call = asyncio.ensure_future(send())
+        while batcher.steps == steps and not call.done():
+            await asyncio.sleep(0.002)
+        assert not call.done(), "the LONG call finished before the agent could leave it"
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return batcher.steps - steps
+
+    return asyncio.run(leave())
 
 
 def _cancelled(url: str) -> float:
@@ -180,23 +192,23 @@ def test_a_client_that_leaves_mid_stream_leaves_an_undelivered_turn_that_is_not_
 def test_a_client_that_times_out_cancels_its_generation_and_its_retry_is_the_only_turn(fresh_policy_dir, tmp_path):
     body = {"model": "policy", "messages": [{"role": "user", "content": "ab"}]}
     with serve_policy(PolicyStore(str(fresh_policy_dir)), tmp_path) as server, httpx.Client(base_url=server.url) as client:
-        before = {}
+        # the client gives up mid-generation and closes its connection, as the openai client does
+        # before it retries
+        client.post("/rollouts", json={"rollout_id": (rid := "retried"), "task_id": "t", "batch": "b"})
+        before = _completion_tokens(server.url)
 
-        def call(attempt: int, timeout: float) -> None:
-            # the client gives up mid-generation and closes its connection, as the openai client
-            # does before it retries (a call that finished first is its own rollout, never closed)
-            client.post("/rollouts", json={"rollout_id": f"retried-{attempt}", "task_id": "t", "batch": f"b{attempt}"})
-            before["tokens"] = _completion_tokens(server.url)
-            httpx.post(f"{server.url}/rollouts/retried-{attempt}/v1/chat/completions", json={**body, **LONG}, timeout=timeout)
+        async def call() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as agent:
+                await agent.post(f"/rollouts/{rid}/v1/chat/completions", json={**body, **LONG})
 
-        rid = f"retried-{(attempt := leave_mid_call(call))}"
+        leave_while_decoding(server.gateway.batcher, call)
         deadline = time.monotonic() + 60
-        while _completion_tokens(server.url) == before["tokens"] and time.monotonic() < deadline:
+        while _completion_tokens(server.url) == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        abandoned = _completion_tokens(server.url) - before["tokens"]
+        abandoned = _completion_tokens(server.url) - before
         retry = client.post(f"/rollouts/{rid}/v1/chat/completions", json={**body, "max_tokens": 4}).json()
         client.post(f"/rollouts/{rid}/finish", json={"score": 1.0})
-        landed = _landed(client.post(f"/batches/b{attempt}/close").json()["path"])
+        landed = _landed(client.post("/batches/b/close").json()["path"])
         cancelled = _cancelled(server.url)
     trajectory = landed[rid]
     # the retry is the turn; the abandoned one is listed, not trained
