@@ -17,7 +17,7 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 import flow_assets.runtime.daemon as daemon_module
-from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _watched, _WakingShutdown, run_daemon
+from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _watched, _WakingShutdown, run_daemon, ticks_on_news
 from flow_assets.runtime.local import REPO_ROOT, local_instance
 
 #: a queued run must name the code location it comes from; nothing here loads it
@@ -179,16 +179,50 @@ def test_a_woken_sensor_loop_waits_out_the_sensors_minimum_interval_but_not_its_
         shutdown.set()
 
 
+def _ticked(at: float):
+    """A sensor's state as Dagster's sensor daemon keeps it, its last tick started at ``at``."""
+    from dagster._core.scheduler.instigation import SensorInstigatorData
+
+    return SimpleNamespace(instigator_data=SensorInstigatorData(last_tick_start_timestamp=at, min_interval=30))
+
+
+def test_a_sensor_within_its_interval_ticks_once_more_after_a_run_finishes_and_not_otherwise(tmp_path):
+    """Dagster's own test of a sensor's minimum interval, wrapped by ``ticks_on_news``: a sensor
+    that ticked a second ago (interval 30 s) is skipped, unless the run watch saw a run (finished
+    by another process) end after that tick started; once it has ticked again it is skipped again."""
+    import dagster._daemon.sensor as sensor_daemon
+
+    instance = local_instance(tmp_path / "home")
+    watches: list = []
+    is_under = ticks_on_news(sensor_daemon.is_under_min_interval, watches)
+    sensor = SimpleNamespace(min_interval_seconds=30)  # what Dagster reads of the remote sensor
+    before_the_run = _ticked(time.time() - 1)
+    assert is_under(before_the_run, sensor) is True  # no watch yet: Dagster's answer
+    watches.append(RunWatch(instance, 0.05, threading.Event()))
+    assert is_under(before_the_run, sensor) is True
+    assert is_under(_ticked(time.time() - 31), sensor) is False  # its interval passed: Dagster's answer
+    run = _queue(instance)
+    assert watches[-1].poll() == (False, True)
+    assert is_under(before_the_run, sensor) is True  # a queued run is no news for a sensor
+    _finish_elsewhere(tmp_path / "home", run.run_id)
+    assert watches[-1].poll() == (True, False)
+    assert is_under(before_the_run, sensor) is False
+    assert is_under(_ticked(time.time()), sensor) is True  # the tick after the news saw it
+
+
 def test_the_watch_is_installed_on_dagsters_daemons_and_a_bad_poll_time_is_refused(monkeypatch):
+    import dagster._daemon.sensor as sensor_daemon
     from dagster._daemon.daemon import SensorDaemon
     from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 
     monkeypatch.setattr(SensorDaemon, "core_loop", SensorDaemon.core_loop)
     monkeypatch.setattr(QueuedRunCoordinatorDaemon, "core_loop", QueuedRunCoordinatorDaemon.core_loop)
-    sensor_loop = SensorDaemon.core_loop
+    monkeypatch.setattr(sensor_daemon, "is_under_min_interval", sensor_daemon.is_under_min_interval)
+    sensor_loop, interval_test = SensorDaemon.core_loop, sensor_daemon.is_under_min_interval
     assert daemon_module.install_run_watch(0.25) is True
     assert SensorDaemon.core_loop.__wrapped__ is sensor_loop
     assert QueuedRunCoordinatorDaemon.core_loop.__wrapped__ is _dequeue_loop
+    assert sensor_daemon.is_under_min_interval.__wrapped__ is interval_test
     with pytest.raises(ValueError, match="positive"):
         daemon_module.install_run_watch(0)
     with pytest.raises(ValueError, match="poll time"):
