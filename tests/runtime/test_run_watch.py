@@ -186,28 +186,37 @@ def _ticked(at: float):
     return SimpleNamespace(instigator_data=SensorInstigatorData(last_tick_start_timestamp=at, min_interval=30))
 
 
-def test_a_sensor_within_its_interval_ticks_once_more_after_a_run_finishes_and_not_otherwise(tmp_path):
+def test_a_sensor_within_its_interval_ticks_early_after_a_run_finishes_once_per_interval(tmp_path):
     """Dagster's own test of a sensor's minimum interval, wrapped by ``ticks_on_news``: a sensor
     that ticked a second ago (interval 30 s) is skipped, unless the run watch saw a run (finished
-    by another process) end after that tick started; once it has ticked again it is skipped again."""
+    by another process) end after that tick started; Dagster asks twice for one tick and gets the
+    same answer; a second early tick within the same interval is refused, however many runs end."""
     import dagster._daemon.sensor as sensor_daemon
 
     instance = local_instance(tmp_path / "home")
     watches: list = []
     is_under = ticks_on_news(sensor_daemon.is_under_min_interval, watches)
-    sensor = SimpleNamespace(min_interval_seconds=30)  # what Dagster reads of the remote sensor
+    sensor = SimpleNamespace(min_interval_seconds=30, selector_id="sensor-a")  # what Dagster reads of the remote sensor
+    other = SimpleNamespace(min_interval_seconds=30, selector_id="sensor-b")
     before_the_run = _ticked(time.time() - 1)
     assert is_under(before_the_run, sensor) is True  # no watch yet: Dagster's answer
     watches.append(RunWatch(instance, 0.05, threading.Event()))
     assert is_under(before_the_run, sensor) is True
     assert is_under(_ticked(time.time() - 31), sensor) is False  # its interval passed: Dagster's answer
-    run = _queue(instance)
+    runs = [_queue(instance), _queue(instance)]
     assert watches[-1].poll() == (False, True)
     assert is_under(before_the_run, sensor) is True  # a queued run is no news for a sensor
-    _finish_elsewhere(tmp_path / "home", run.run_id)
+    _finish_elsewhere(tmp_path / "home", runs[0].run_id)
     assert watches[-1].poll() == (True, False)
     assert is_under(before_the_run, sensor) is False
-    assert is_under(_ticked(time.time()), sensor) is True  # the tick after the news saw it
+    assert is_under(before_the_run, sensor) is False  # the same tick, asked again before it is marked
+    early_tick = _ticked(time.time())
+    assert is_under(early_tick, sensor) is True  # the tick after the news saw it
+    time.sleep(0.01)  # the next finish is seen after the early tick started
+    _finish_elsewhere(tmp_path / "home", runs[1].run_id)
+    assert watches[-1].poll() == (True, False)
+    assert is_under(early_tick, sensor) is True  # one early tick per interval: this one waits
+    assert is_under(early_tick, other) is False  # another sensor has its own early tick
 
 
 def test_the_watch_is_installed_on_dagsters_daemons_and_a_bad_poll_time_is_refused(monkeypatch):
