@@ -104,6 +104,9 @@ class RunWatch:
         #: wall-clock time (seconds since the epoch, as Dagster stamps a sensor's ticks) at which
         #: the latest finished run was seen; 0.0 before the first. A run seen then ended before it.
         self.finished_seen_at = 0.0
+        #: wall-clock time (seconds since the epoch) by which a waiter returns even without news:
+        #: when a sensor refused an early tick becomes due (:func:`ticks_on_news`); None: none
+        self.due_at: float | None = None
         self._db_file = _sqlite_file(instance.run_storage)
         if self._db_file is None:
             self.poll_seconds = max(poll_seconds, SERVER_POLL_SECONDS)
@@ -180,7 +183,8 @@ class RunWatch:
 
     def wait(self, timeout: float, since: tuple[int, int], queued_too: bool) -> tuple[int, int]:
         """Block until a run finished (or, with ``queued_too``, was queued) after ``since`` was
-        read, the shutdown event is set, or ``timeout`` seconds passed.
+        read, the shutdown event is set, ``timeout`` seconds passed, or the due time
+        (:meth:`due_by`) came; a due time that came is cleared.
 
         Returns:
             The counters when it returned (the next call's ``since``).
@@ -190,8 +194,24 @@ class RunWatch:
             return self.finished > since[0] or (queued_too and self.queued > since[1]) or self._shutdown.is_set()
 
         with self._changed:
-            self._changed.wait_for(news, timeout=max(0.0, timeout))
+            deadline = time.monotonic() + max(0.0, timeout)
+            while not news():
+                left = deadline - time.monotonic()
+                if self.due_at is not None:
+                    left = min(left, self.due_at - time.time())
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if self.due_at is not None and self.due_at <= time.time():
+                self.due_at = None
             return self.finished, self.queued
+
+    def due_by(self, at: float) -> None:
+        """Make :meth:`wait` return by wall-clock time ``at`` (seconds since the epoch) at the
+        latest, news or not (an earlier due time set before stands); waiters now waiting too."""
+        with self._changed:
+            self.due_at = at if self.due_at is None else min(self.due_at, at)
+            self._changed.notify_all()
 
 
 def _sqlite_file(run_storage) -> str | None:
@@ -300,7 +320,9 @@ def ticks_on_news(under_min_interval, watches: list):
     in the iteration that requested it, waited out the rest of its second after the run ended:
     0.60-0.67 s, a round's longest hop (``docs/benchmarks.md``). The cap keeps the interval a
     bound on cost: a sensor ticks at most twice per interval, however many runs finish (a burst
-    of log batches would otherwise tick every sensor after each of them).
+    of log batches would otherwise tick every sensor after each of them). A sensor refused an
+    early tick makes the watch's waiter return when it is due (:meth:`RunWatch.due_by`), so it
+    waits no longer than its interval, as it did before.
 
     Dagster asks twice per tick (when it picks the sensors, and again before it marks the tick):
     the same state gets the same answer.
@@ -330,8 +352,12 @@ def ticks_on_news(under_min_interval, watches: list):
             granted = early.get(key)
             if granted is not None and granted[0] == last_tick:
                 return False  # the same tick, asked again
-            if granted is not None and now - granted[1] < (remote_sensor.min_interval_seconds or 0):
-                return True  # it ticked early within this interval already
+            interval = remote_sensor.min_interval_seconds or 0
+            if granted is not None and now - granted[1] < interval:
+                # it ticked early within this interval already: the loop, which would otherwise
+                # sleep until the next news or its loop time, comes round when it is due
+                watches[-1].due_by(granted[1] + interval)
+                return True
             early[key] = (last_tick, now)
             return False
 

@@ -216,7 +216,30 @@ def test_a_sensor_within_its_interval_ticks_early_after_a_run_finishes_once_per_
     _finish_elsewhere(tmp_path / "home", runs[1].run_id)
     assert watches[-1].poll() == (True, False)
     assert is_under(early_tick, sensor) is True  # one early tick per interval: this one waits
+    # ... for the loop to come round when it is due, not for the next news or the loop's own time
+    assert abs(watches[-1].due_at - (early_tick.instigator_data.last_tick_start_timestamp + 30)) < 1
     assert is_under(early_tick, other) is False  # another sensor has its own early tick
+
+
+def test_a_waiter_returns_when_it_is_due_without_news_and_the_due_time_is_then_cleared(tmp_path):
+    """The sensor loop waits on the watch; a due time set while it waits (a sensor refused an
+    early tick) ends the wait then, long before its own timeout, and is cleared once it came."""
+    watch = RunWatch(local_instance(tmp_path / "home"), 0.05, threading.Event())
+    waited: list[float] = []
+
+    def waiter():
+        started = time.monotonic()
+        watch.wait(30.0, watch.seen(), queued_too=False)
+        waited.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)
+    watch.due_by(time.time() + 0.5)
+    watch.due_by(time.time() + 20)  # a later due time does not move an earlier one
+    thread.join(timeout=30)
+    assert 0.6 <= waited[0] < 15, waited
+    assert watch.due_at is None
 
 
 def test_the_watch_is_installed_on_dagsters_daemons_and_a_bad_poll_time_is_refused(monkeypatch):
