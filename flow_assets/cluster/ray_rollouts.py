@@ -75,7 +75,7 @@ def _evaluate_shard(store, source, agent, agent_id: str, tasks: list, policies: 
         on_start(tasks)
     with serve_policy(store, scratch, extra=policies, dtype=config.dtype) as server:
         return agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency,
-                           config.timeout_s)  # fmt: skip
+                           config.timeout_s, config.seed)  # fmt: skip
 
 
 def evaluate_on_ray(store, source, agent, agent_id: str, tasks: list, policies: dict, config, workers: int, scratch_dir: str | Path,

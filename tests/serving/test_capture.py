@@ -49,3 +49,21 @@ def test_a_rollout_is_not_reaped_while_one_of_its_calls_is_being_served():
     now[0] = 60.0
     ((empty, _),) = recorder.reap()
     assert empty.metadata["error"]["kind"] == "no_llm_call" and empty.outcome.score == 0.0
+
+
+def test_each_call_of_a_seeded_rollout_gets_the_next_seed_of_the_rollouts_stream():
+    from flow_assets.policy.decode import row_streams
+    from flow_assets.serving.gateway.capture import RolloutRecorder, call_seed
+
+    recorder = RolloutRecorder(timeout_s=60.0)
+    recorder.open(RolloutSettings(task_id="t", seed=-5), "seeded")
+    seeds = [recorder.begin_call("seeded")[1] for _ in range(3)]
+    # SplitMix64 outputs 1, 2, 3 of the seed taken modulo 2^64, cut to 63 bits (a valid OpenAI seed)
+    assert seeds == [s >> 1 for s in row_streams(2**64 - 5, 3)] == [call_seed(-5, k) for k in range(3)]
+    assert len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    assert recorder.settings("seeded").seed == -5  # reading the settings starts no call
+    assert recorder.begin_call("seeded")[1] == call_seed(-5, 3)
+    recorder.open(RolloutSettings(task_id="t"), "unseeded")
+    assert recorder.begin_call("unseeded")[1] is None and recorder.begin_call("never-opened")[1] is None
+    rollout = OpenRollout("r", RolloutSettings(task_id="t", seed=9), [_turn([{"role": "user", "content": "q"}], Choice([1], [-0.1], "a", "a", [], "stop"))])
+    assert build_trajectory(rollout, Outcome(success=True, score=1.0)).metadata["seed"] == 9

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from flow_assets.serving.agents.builtin import calculator_agent, one_turn_agent
-from flow_assets.serving.agents.harness import AgentLoadError, HarnessConfig, load_agent, run_rollouts
+from flow_assets.serving.agents.harness import AgentLoadError, HarnessConfig, load_agent, rollout_seed, run_rollouts
 from flow_assets.definitions import build_definitions
 from flow_assets.serving.gateway.app import GatewayConfig
 from flow_assets.serving.gateway.serve import serve_policy
@@ -112,9 +112,9 @@ def test_training_consumes_exactly_the_ids_the_gateway_rendered_and_sampled(calc
                          batch="rollouts-0000", source="flowopt-calculator", config=HarnessConfig(temperature=0.8))
         )  # fmt: skip
     (path,) = landing.rglob("*.jsonl")
-    turns = [
+    turns = [  # training_samples orders the turns by trajectory id and step, not as they landed
         (s.prompt_token_ids, s.token_ids, s.logprobs, s.temperature)
-        for t in _landed(path)
+        for t in sorted(_landed(path), key=lambda t: t.trajectory_id)
         for s in t.steps
         if s.token_ids is not None
     ]
@@ -129,6 +129,57 @@ def test_training_consumes_exactly_the_ids_the_gateway_rendered_and_sampled(calc
         lake.read_partition("trajectories", key), "flowopt:calculator",
     )  # fmt: skip
     assert [(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.temperature) for s in samples] == turns
+
+
+def _sampled(path: Path) -> dict[str, list[list[int]]]:
+    """Each landed trajectory's sampled ids, turn by turn, by trajectory id."""
+    return {t.trajectory_id: [s.token_ids for s in t.steps if s.token_ids is not None] for t in _landed(path)}
+
+
+def test_a_seeded_collection_samples_the_same_rollouts_whatever_the_order_of_calls(calculator_policy_dir, tmp_path):
+    """Seeded, the same tool-using agents on the same tasks sample the same completions turn by
+    turn, whether 16 agents run at once or 3 (other batches, another order of calls), each
+    rollout its own (a group's samples differ); another seed samples others."""
+    store = PolicyStore(str(calculator_policy_dir))
+    landed = {}
+    # each gateway's own seed differs too: it seeds only calls that bring no seed
+    for name, concurrency, seed, gateway_seed in (("wide", 16, 5, 0), ("narrow", 3, 5, 1), ("other", 16, 6, 0)):
+        with serve_policy(store, tmp_path / name, config=GatewayConfig(seed=gateway_seed)) as server:
+            results = asyncio.run(
+                run_rollouts(server.url, calculator_agent, TASKS[:4], SOURCE.score, 4, agent_id="a", batch="b", source="s",
+                             config=HarnessConfig(concurrency=concurrency, seed=seed))
+            )  # fmt: skip
+        assert all(r.error is None for r in results)
+        landed[name] = _sampled(tmp_path / name / "s" / "b.jsonl")
+        assert {t.metadata["seed"] for t in _landed(tmp_path / name / "s" / "b.jsonl")} == {
+            rollout_seed(seed, "b", task.task_id, g) for task in TASKS[:4] for g in range(4)
+        }
+    assert len(landed["wide"]) == 16 and sum(len(turns) for turns in landed["wide"].values()) > 16  # tools were called
+    assert landed["narrow"] == landed["wide"]
+    assert landed["other"] != landed["wide"]
+    groups = {task.task_id: {str(landed["wide"][f"b/{task.task_id}/{g}"]) for g in range(4)} for task in TASKS[:4]}
+    assert any(len(samples) > 1 for samples in groups.values())  # the same seed for a whole group: one rollout each
+
+
+async def _fixed_seed_agent(client, task):
+    """An agent that asks for the same seed on every call."""
+    response = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}], seed=7)
+    return response.choices[0].message.content
+
+
+def test_a_seeded_rollout_overrides_the_seed_the_agent_sends(fresh_policy_dir, tmp_path):
+    """Unseeded rollouts honour the agent's own seed (8 identical samples of a task); a seeded
+    harness imposes each rollout's seed, as it imposes the temperature (8 different ones)."""
+    distinct = {}
+    for seed in (None, 3):
+        out = tmp_path / str(seed)
+        with serve_policy(PolicyStore(str(fresh_policy_dir), max_new_tokens=8), out) as server:
+            asyncio.run(
+                run_rollouts(server.url, _fixed_seed_agent, TASKS[:1], SOURCE.score, 8, agent_id="a", batch="b", source="s",
+                             config=HarnessConfig(seed=seed))
+            )  # fmt: skip
+        distinct[seed] = len({tuple(turns[0]) for turns in _sampled(out / "s" / "b.jsonl").values()})
+    assert distinct == {None: 1, 3: 8}
 
 
 def test_a_batch_collected_at_temperature_0_7_gives_ratio_1_before_the_first_update(calculator_policy_dir, tmp_path):

@@ -28,12 +28,13 @@ def evaluation_rows(results: list[RolloutResult], policy: str, mode: str) -> lis
 
 
 def agents_rows(url: str, score: ScoreFn, agent: AgentFn, agent_id: str, tasks: list[Task], names: list[str], temperatures: dict[str, float],
-                concurrency: int, timeout_s: float) -> list[dict[str, Any]]:  # fmt: skip
+                concurrency: int, timeout_s: float, seed: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The agents of every served name in ``names`` on ``tasks`` in each mode of ``temperatures``
     (mode -> sampling temperature), through the gateway at ``url``: one name after the other, all
     of a name's modes at once, ``concurrency`` agents per name and mode, each cancelled after
     ``timeout_s`` seconds; nothing lands. Their :func:`evaluation_rows`, by name, then mode, then
-    task.
+    task. ``seed`` (:attr:`~flow_assets.serving.agents.harness.HarnessConfig.seed`) is the same
+    for every name and mode: a task's rollout draws the same random numbers under each policy.
 
     One name at a time because each name is its own LoRA adapter, and the gateway's batcher
     decodes one adapter at a time: with two names in flight, every call of the other adapter at
@@ -44,7 +45,7 @@ def agents_rows(url: str, score: ScoreFn, agent: AgentFn, agent_id: str, tasks: 
     async def one_name(name: str) -> dict:
         runs = {
             (name, mode): run_rollouts(url, agent, tasks, score, 1, agent_id=agent_id,
-                                       config=HarnessConfig(concurrency, timeout_s, name, temperature, None, land=False))
+                                       config=HarnessConfig(concurrency, timeout_s, name, temperature, None, land=False, seed=seed))
             for mode, temperature in temperatures.items()
         }  # fmt: skip
         return dict(zip(runs, await asyncio.gather(*runs.values())))

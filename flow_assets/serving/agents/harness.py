@@ -19,6 +19,7 @@ for all of them), finished with ``POST /rollouts/{id}/finish``, and the batch is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import time
 import uuid
@@ -67,6 +68,10 @@ class HarnessConfig:
             (``"policy"`` = the champion; the evaluation serves ``"candidate"``).
         temperature / top_p: sampling settings imposed on every call (``None``: the agent's own).
         land: whether the rollouts land as a log batch (held-out evaluation: ``False``).
+        seed: seeds every rollout (:func:`rollout_seed` of it, the batch, the task and the sample
+            index), so the same policy samples the same rollouts whatever order the agents' calls
+            reach the gateway in, and two policies evaluated with the same seed draw the same
+            random numbers on each task (common random numbers). ``None``: unseeded.
     """
 
     concurrency: int = 64
@@ -76,6 +81,21 @@ class HarnessConfig:
     top_p: float | None = None
     land: bool = True
     connections: int = 64
+    seed: int | None = None
+
+
+def rollout_seed(seed: int, batch: str | None, task_id: str, sample_index: int) -> int:
+    """The sampling seed of sample ``sample_index`` of task ``task_id`` in log batch ``batch``
+    (``None``: a held-out evaluation, which lands nothing) under the harness seed ``seed``: the
+    first 63 bits of the BLAKE2b digest of the four, the same in every process and on every
+    machine (Python's ``hash`` of a string is not).
+
+    Returns:
+        An integer in ``[0, 2^63)`` (the gateway derives each call's seed from it,
+        :func:`~flow_assets.serving.gateway.capture.call_seed`).
+    """
+    key = "\x1f".join((str(seed), batch or "", task_id, str(sample_index))).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -177,6 +197,7 @@ async def run_rollouts(
                 "model": config.model,
                 "temperature": config.temperature,
                 "top_p": config.top_p,
+                "seed": None if config.seed is None else rollout_seed(config.seed, batch, task.task_id, g),
                 "metadata": {**(metadata or {}), "split": task.split, "source": task.source, "sample_index": g},
             }
 

@@ -506,9 +506,15 @@ def create_app(gateway: Gateway, tokens: Sequence[str] = ()) -> FastAPI:
         try:
             # the call is activity from its start: a generation longer than the rollout timeout
             # must not see its rollout reaped under it
-            settings = gateway.recorder.settings(rollout_id, calling=True)
+            settings, seed = gateway.recorder.begin_call(rollout_id)
         except RolloutError as exc:
             return _error(409, str(exc), param="X-Agent-ID", code="rollout_finished")
+        if seed is not None and not isinstance(gateway.batcher, DynamicBatcher):
+            # a seeded rollout's calls sample with its seeds, as its temperature is imposed: the
+            # same agent on the same task samples the same completions, whatever it is batched with.
+            # The dynamic batcher (vLLM) batches only calls of one seed: every call seeded apart
+            # would be generated alone, so there the batcher's seeds stay
+            req = req.model_copy(update={"seed": seed})
         response = None
         try:
             response = await _serve_call(req, rollout_id, settings, session, request)

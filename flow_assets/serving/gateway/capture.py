@@ -137,6 +137,13 @@ class RolloutSettings:
         model: serve this model name whatever the agent asks for (evaluation of a candidate).
         temperature / top_p: override the agent's sampling settings (collection at T = 1,
             greedy evaluation at T = 0); the settings used are recorded either way.
+        seed: the rollout's sampling seed: call ``k`` of the rollout (counted from 0 in the
+            order its calls reach the gateway) samples with :func:`call_seed` of it, whatever
+            seed the agent sent and whatever the call is batched with, so the same agent on the
+            same task samples the same completions. ``None``: the agent's own seed, else the
+            gateway's (which depend on the order calls arrive in). A gateway on the dynamic
+            batcher (vLLM backend) records it but keeps its own seeds: that batcher generates
+            only calls of one seed together.
         metadata: merged into the trajectory's metadata.
     """
 
@@ -150,7 +157,22 @@ class RolloutSettings:
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
+    seed: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def call_seed(rollout_seed: int, call: int) -> int:
+    """The sampling seed of call ``call`` (0, 1, ...) of a rollout seeded ``rollout_seed``:
+    output ``call + 1`` of SplitMix64 seeded with it (:func:`~flow_assets.policy.decode.row_streams`),
+    cut to 63 bits so that it is a valid OpenAI ``seed`` (a signed 64-bit integer) when forwarded
+    to an upstream.
+
+    Returns:
+        An integer in ``[0, 2^63)``.
+    """
+    from flow_assets.policy.decode import row_streams
+
+    return row_streams(rollout_seed, call + 1)[call] >> 1
 
 
 @dataclass
@@ -164,6 +186,7 @@ class OpenRollout:
     last_activity: float = 0.0
     started_at: float = field(default_factory=time.time)
     in_flight: int = 0  # calls being served now: the rollout is not idle, whatever their length
+    calls: int = 0  # calls begun (the next call's index, for its seed)
     failed_calls: list[dict[str, Any]] = field(default_factory=list)  # refused calls: {"version", "status", "message"}
 
 
@@ -314,6 +337,8 @@ def build_trajectory(
         if unreported := sum(1 for t in forwarded if not t.usage):
             # e.g. llama-cpp-python's server streams no usage chunk: those turns count 0 tokens above
             meta["usage_unreported_turns"] = unreported
+    if s.seed is not None:
+        meta["seed"] = s.seed  # the rollout's sampling seed: its calls' seeds follow (call_seed)
     if errors := tool_call_errors(turns):
         meta["tool_call_errors"] = errors
     if constrained := constrained_turns(turns):
@@ -385,12 +410,27 @@ class RolloutRecorder:
 
     def settings(self, rollout_id: str, calling: bool = False) -> RolloutSettings:
         """The settings of a rollout, opening it with defaults on its first call (a client that
-        only sends ``X-Agent-ID``). ``calling``: a call of the rollout starts; it counts as
-        activity and :meth:`reap` leaves the rollout alone until :meth:`call_ended`.
+        only sends ``X-Agent-ID``). ``calling``: a call of the rollout starts (as :meth:`begin_call`).
 
         Raises:
             RolloutError: the rollout was already finished.
         """
+        return self.begin_call(rollout_id)[0] if calling else self._settings(rollout_id, False)[0]
+
+    def begin_call(self, rollout_id: str) -> tuple[RolloutSettings, int | None]:
+        """A call of the rollout starts: it counts as activity, and :meth:`reap` leaves the
+        rollout alone until :meth:`call_ended`. Opens the rollout with defaults on its first call.
+
+        Returns:
+            The rollout's settings and the call's sampling seed (:func:`call_seed` of the
+            rollout's seed and the call's index; ``None`` when the rollout has no seed).
+
+        Raises:
+            RolloutError: the rollout was already finished.
+        """
+        return self._settings(rollout_id, True)
+
+    def _settings(self, rollout_id: str, calling: bool) -> tuple[RolloutSettings, int | None]:
         with self._lock:
             if rollout_id in self._finished:
                 raise RolloutError(f"rollout {rollout_id!r} is already finished")
@@ -398,10 +438,13 @@ class RolloutRecorder:
             if rollout_id not in self._open:
                 self._open[rollout_id] = OpenRollout(rollout_id, RolloutSettings(), opened_at=now, last_activity=now)
             rollout = self._open[rollout_id]
-            if calling:
-                rollout.in_flight += 1
-                rollout.last_activity = now
-            return rollout.settings
+            if not calling:
+                return rollout.settings, None
+            rollout.in_flight += 1
+            rollout.last_activity = now
+            index, rollout.calls = rollout.calls, rollout.calls + 1
+        seed = rollout.settings.seed
+        return rollout.settings, None if seed is None else call_seed(seed, index)
 
     def call_ended(self, rollout_id: str) -> None:
         """A call begun with ``settings(..., calling=True)`` is over (served or failed)."""

@@ -232,6 +232,7 @@ class RolloutOpen(BaseModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
