@@ -30,7 +30,7 @@ from pathlib import Path
 
 from flow_assets.definitions import build_definitions
 from flow_assets.demo.state import DemoState, instance_cursor, save_cursor
-from flow_assets.demo.in_process import base_vs_final, held_out_summary, run_rounds
+from flow_assets.demo.in_process import FINAL_EVAL_SEED, base_vs_final, held_out_summary, run_rounds
 from flow_assets.runtime.local import REPO_ROOT, local_instance, tick_sensor
 from flow_assets.policy.presets import prepare_model
 from flow_assets.training.rounds import EvaluationConfig, landing_source
@@ -119,7 +119,8 @@ def run_real_demo(
     )
     print(f"\nbase (v0) and final champion on {len(held_out)} held-out tasks, greedy and sampled ...", flush=True)
     t0 = time.perf_counter()
-    final = EvaluationConfig(max_tasks=len(held_out), concurrency=256, timeout_s=3600.0, sampled_temperature=TEMPERATURE)
+    final = EvaluationConfig(max_tasks=len(held_out), concurrency=256, timeout_s=3600.0, sampled_temperature=TEMPERATURE,
+                             seed=FINAL_EVAL_SEED)  # fmt: skip
     check = held_out_summary(base_vs_final(defs, models_root, held_out, models_root / "final-eval", final))
     final_seconds = time.perf_counter() - t0
     seconds = time.perf_counter() - started

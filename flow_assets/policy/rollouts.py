@@ -39,8 +39,10 @@ def training_samples(steps: pl.DataFrame, step_advantages: pl.DataFrame, traject
         trajectories: ``trajectory_id, task_id, agent_id``.
 
     Returns:
-        One sample per turn, in table order; steps without prompt or completion ids, or without
-        an advantage, are left out. A turn without a logged temperature is read as T = 1. A turn
+        One sample per turn, ordered by trajectory id and step index (not in table order, which
+        is the order the rollouts finished in: the update then depends on what the batch holds,
+        not on timing); steps without prompt or completion ids, or without an advantage, are
+        left out. A turn without a logged temperature is read as T = 1. A turn
         the gateway sampled under a constraint (``tool_choice`` / ``response_format``, listed in
         the trajectory's ``metadata.constrained_turns``) has ``behaviour_logprobs`` ``None``: its
         logged log-probs are of the masked distribution, not of the policy the ratio compares
@@ -54,6 +56,7 @@ def training_samples(steps: pl.DataFrame, step_advantages: pl.DataFrame, traject
         .join(step_advantages.select("trajectory_id", "index", "advantage"), on=["trajectory_id", "index"], maintain_order="left")
         .filter(pl.col("advantage").is_not_null())
         .select("trajectory_id", "index", "prompt_token_ids", "token_ids", "advantage", "logprobs", "task_id", "temperature")
+        .sort("trajectory_id", "index")
     )
     masked = constrained_steps(steps, trajectories) if "metadata" in trajectories.columns else set()
     return [

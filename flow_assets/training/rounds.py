@@ -209,7 +209,8 @@ class CollectConfig:
         "sampling temperature imposed on every call of the rollouts.")})
     top_p: float = field(default=1.0, metadata={"description": "nucleus threshold imposed on every call."})
     seed: int = field(default=0, metadata={"description": (
-        "base seed; the batch number is added to it (task choice and sampling seeds).")})
+        "base seed; the batch number is added to it (task choice and sampling seeds: each rollout samples with a seed of "
+        "its own, so the same champion collects the same batch whatever order its agents' calls arrive in).")})
     concurrency: int = field(default=256, metadata={"description": "agents running at once."})
     timeout_s: float = field(default=120.0, metadata={"description": (
         "an agent running longer is cancelled (an error rollout), seconds.")})
@@ -279,7 +280,7 @@ def collect_batch(
     rng = np.random.default_rng(seed)
     chosen = [train[i] for i in rng.choice(len(train), size=min(config.tasks_per_batch, len(train)), replace=False)]
     batch = f"r{batch_number + 1:04d}-{batch_id_for(champion['version'], [t.task_id for t in chosen], seed)}"
-    harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True)
+    harness = HarnessConfig(config.concurrency, config.timeout_s, "policy", config.temperature, config.top_p, land=True, seed=seed)
     gateway = GatewayConfig(default_max_tokens=store.max_new_tokens, seed=seed)
     started = time.perf_counter()
     if workers:
@@ -648,6 +649,10 @@ class EvaluationConfig:
         "the precision the evaluated policies' weights are served in (transformers backend). ``bfloat16`` evaluates "
         "faster on a CPU with bfloat16 matrix units (AMX) or a GPU; both sides of the comparison use it, and the "
         "rollouts that train are still sampled in float32, the precision the trainer recomputes their log-probs in.")})
+    seed: int | None = field(default=0, metadata={"description": (
+        "sampling seed of the held-out rollouts: the rollout of a task draws the same random numbers under every policy "
+        "evaluated (common random numbers: the paired comparison's variance drops, and a policy scores the same each time "
+        "it is evaluated); ``None``: unseeded.")})
     gate: GateConfig = field(default_factory=GateConfig, metadata={"description": "the promotion gate's thresholds."})
 
     def held_out_tasks(self, source: TaskSource) -> list[Task]:
@@ -768,7 +773,8 @@ def evaluate_agents(
     gc.collect()  # a trained model's reference cycles (PEFT wrappers) go before the release
     release_free_memory()
     with serve_policy(store, scratch_dir, extra=policies, dtype=config.dtype) as server:
-        rows = agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency, config.timeout_s)
+        rows = agents_rows(server.url, source.score, agent, agent_id, tasks, list(policies), config.temperatures, config.concurrency, config.timeout_s,
+                           config.seed)  # fmt: skip
     release_free_memory()
     return pl.DataFrame(rows, schema=EVAL_SCHEMA), time.perf_counter() - started
 

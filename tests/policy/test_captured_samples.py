@@ -35,3 +35,14 @@ def test_a_constrained_turn_trains_without_its_masked_logprobs_and_the_others_ke
     # without the marker every turn keeps the log-probs it was sampled with
     unmarked = training_samples(*_tables({}), "me")
     assert [s.behaviour_logprobs for s in unmarked] == [[-0.5], [0.0, -0.1], [-0.2]]
+
+
+def test_samples_come_in_trajectory_and_step_order_whatever_order_the_rollouts_landed_in():
+    """The table's order is the order the rollouts finished in (timing); the samples, and so the
+    update's minibatches, do not depend on it."""
+    steps, advantages, trajectories = _tables({})
+    landed = [
+        training_samples(steps[list(order)], advantages.reverse(), trajectories.reverse(), "me")
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [3, 0, 2, 1])
+    ]
+    assert [[(s.completion_ids, s.advantage) for s in samples] for samples in landed] == [[([3], 1.0), ([5, 6], 1.0), ([7], -1.0)]] * 3
