@@ -179,7 +179,9 @@ class Settings:
             this often whatever its interval.
         run_watch_seconds: how often ``flowopt daemon`` reads the run table to wake its sensor
             loop when a run finishes and its run queue when a run is queued or finishes
-            [FLOWOPT_RUN_WATCH_SECONDS], >= 0; 0: never (the loops keep Dagster's timers).
+            [FLOWOPT_RUN_WATCH_SECONDS], >= 0; 0: never (the loops keep Dagster's timers). A
+            sensor then also ticks right after a run that finished since its last tick, even
+            within ``sensor_interval_seconds`` (one such early tick per interval at most).
         self_play_rounds: rounds the self-play sensor runs on its own, 0 = off
             [FLOWOPT_SELF_PLAY_ROUNDS].
         run_config: JSON file ``{job name: run config}`` the sensors launch runs with

@@ -17,8 +17,9 @@ constant is run as it is, at its own loop time, with a warning.
 It also wakes the sensor loop and the run queue when a run finishes or is queued
 (``FLOWOPT_RUN_WATCH_SECONDS``, :func:`install_run_watch`): both loops otherwise sleep out their
 time whatever happens, so each hop of a round also waited half a loop and half a dequeue interval
-on average. A sensor whose minimum interval allows then ticks right after every run it may be
-waiting for.
+on average. A sensor then ticks right after a run that finished since its last tick, even
+within its ``minimum_interval_seconds`` (one such early tick per interval at most, :func:`ticks_on_news`): that
+interval (an integer, at least 1 s) was longer than a round's data-plane run.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class RunWatch:
         self._changed, self._stopped = threading.Condition(), threading.Event()
         #: changes seen so far: finished runs, newly queued runs (monotonic counters)
         self.finished = self.queued = 0
+        #: wall-clock time (seconds since the epoch, as Dagster stamps a sensor's ticks) at which
+        #: the latest finished run was seen; 0.0 before the first. A run seen then ended before it.
+        self.finished_seen_at = 0.0
+        #: wall-clock time (seconds since the epoch) by which a waiter returns even without news:
+        #: when a sensor refused an early tick becomes due (:func:`ticks_on_news`); None: none
+        self.due_at: float | None = None
         self._db_file = _sqlite_file(instance.run_storage)
         if self._db_file is None:
             self.poll_seconds = max(poll_seconds, SERVER_POLL_SECONDS)
@@ -145,6 +152,8 @@ class RunWatch:
         self._last_finished, self._queued_ids = finished, queued
         if new_finish or new_queue:
             with self._changed:
+                if new_finish:
+                    self.finished_seen_at = time.time()
                 self.finished += new_finish
                 self.queued += new_queue
                 self._changed.notify_all()
@@ -174,7 +183,8 @@ class RunWatch:
 
     def wait(self, timeout: float, since: tuple[int, int], queued_too: bool) -> tuple[int, int]:
         """Block until a run finished (or, with ``queued_too``, was queued) after ``since`` was
-        read, the shutdown event is set, or ``timeout`` seconds passed.
+        read, the shutdown event is set, ``timeout`` seconds passed, or the due time
+        (:meth:`due_by`) came; a due time that came is cleared.
 
         Returns:
             The counters when it returned (the next call's ``since``).
@@ -184,8 +194,24 @@ class RunWatch:
             return self.finished > since[0] or (queued_too and self.queued > since[1]) or self._shutdown.is_set()
 
         with self._changed:
-            self._changed.wait_for(news, timeout=max(0.0, timeout))
+            deadline = time.monotonic() + max(0.0, timeout)
+            while not news():
+                left = deadline - time.monotonic()
+                if self.due_at is not None:
+                    left = min(left, self.due_at - time.time())
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if self.due_at is not None and self.due_at <= time.time():
+                self.due_at = None
             return self.finished, self.queued
+
+    def due_by(self, at: float) -> None:
+        """Make :meth:`wait` return by wall-clock time ``at`` (seconds since the epoch) at the
+        latest, news or not (an earlier due time set before stands); waiters now waiting too."""
+        with self._changed:
+            self.due_at = at if self.due_at is None else min(self.due_at, at)
+            self._changed.notify_all()
 
 
 def _sqlite_file(run_storage) -> str | None:
@@ -204,9 +230,10 @@ class _WakingShutdown:
     set, or ``t`` seconds pass; everything else is the real event's.
 
     ``min_gap``: seconds a wait woken by news still lasts at least, counted from when it was
-    called (the end of the loop's previous iteration), never past ``t``. The sensor loop needs it:
-    Dagster skips a sensor ticked less than its ``minimum_interval_seconds`` ago, so an iteration
-    woken too soon after the previous one would skip the very sensor the news is for.
+    called (the end of the loop's previous iteration), never past ``t``. The sensor loop needs it
+    where :func:`ticks_on_news` cannot be installed: Dagster skips a sensor ticked less than its
+    ``minimum_interval_seconds`` ago, so an iteration woken too soon after the previous one would
+    skip the very sensor the news is for.
     """
 
     def __init__(self, shutdown: threading.Event, watch: RunWatch, queued_too: bool, min_gap: float = 0.0):
@@ -233,13 +260,17 @@ class _WakingShutdown:
         return getattr(self._shutdown, name)
 
 
-def _watched(core_loop, queued_too: bool, poll_seconds: float, min_gap: float = 0.0):
+def _watched(core_loop, queued_too: bool, poll_seconds: float, min_gap: float = 0.0, watches: list | None = None):
     """``core_loop`` (a Dagster daemon's generator method) run with :class:`_WakingShutdown` for
-    its shutdown event, and a :class:`RunWatch` of its own for as long as it runs."""
+    its shutdown event, and a :class:`RunWatch` of its own for as long as it runs (appended to
+    ``watches`` when given, the latest last)."""
 
     @functools.wraps(core_loop)
     def loop(self, workspace_process_context, shutdown_event):
         watch = RunWatch(workspace_process_context.instance, poll_seconds, shutdown_event).start()
+        if watches is not None:
+            watches.append(watch)
+            del watches[:-1]  # a loop started again after an error replaces its watch
         try:
             yield from core_loop(self, workspace_process_context, _WakingShutdown(shutdown_event, watch, queued_too, min_gap))
         finally:  # Dagster may start the loop again after an error: one watch per loop that runs
@@ -276,13 +307,72 @@ def _dequeue_loop(self, workspace_process_context, shutdown_event):
         yield None
 
 
+def ticks_on_news(under_min_interval, watches: list):
+    """A stand-in for Dagster's ``is_under_min_interval(state, sensor, ...)`` (the sensor daemon's
+    test of whether a sensor ticked less than its ``minimum_interval_seconds`` ago, so must be
+    skipped) that lets a sensor tick once ahead of its interval when the sensor loop's run watch
+    (the last of ``watches``) saw a run finish after that sensor's last tick started, at most once
+    per interval.
+
+    Why: every flowopt sensor reacts to a run's end (a collection's file, a data plane's
+    ``advantages``, a finished round), and a sensor's interval is an integer of at least 1 s. A
+    data-plane run took ~0.8 s to launch and run, so the training-round sensor, which had ticked
+    in the iteration that requested it, waited out the rest of its second after the run ended:
+    0.60-0.67 s, a round's longest hop (``docs/benchmarks.md``). The cap keeps the interval a
+    bound on cost: a sensor ticks at most twice per interval, however many runs finish (a burst
+    of log batches would otherwise tick every sensor after each of them). A sensor refused an
+    early tick makes the watch's waiter return when it is due (:meth:`RunWatch.due_by`), so it
+    waits no longer than its interval, as it did before.
+
+    Dagster asks twice per tick (when it picks the sensors, and again before it marks the tick):
+    the same state gets the same answer.
+
+    Args:
+        under_min_interval: Dagster's function, called first; its answer stands unless it says
+            "skip" and there is news.
+        watches: holds the sensor loop's :class:`RunWatch` once the loop runs (``_watched``).
+
+    Returns:
+        The replacement, with Dagster's signature.
+    """
+    lock = threading.Lock()
+    #: sensor -> (the last tick's start it was let tick early after, when that was granted)
+    early: dict[str, tuple[float, float]] = {}
+
+    @functools.wraps(under_min_interval)
+    def is_under_min_interval(state, remote_sensor, *args, **kwargs) -> bool:
+        if not under_min_interval(state, remote_sensor, *args, **kwargs):
+            return False
+        data = getattr(state, "instigator_data", None)
+        last_tick = max(getattr(data, "last_tick_timestamp", None) or 0.0, getattr(data, "last_tick_start_timestamp", None) or 0.0)
+        if not (watches and watches[-1].finished_seen_at > last_tick):
+            return True
+        key, now = getattr(remote_sensor, "selector_id", None) or remote_sensor.name, time.time()
+        with lock:
+            granted = early.get(key)
+            if granted is not None and granted[0] == last_tick:
+                return False  # the same tick, asked again
+            interval = remote_sensor.min_interval_seconds or 0
+            if granted is not None and now - granted[1] < interval:
+                # it ticked early within this interval already: the loop, which would otherwise
+                # sleep until the next news or its loop time, comes round when it is due
+                watches[-1].due_by(granted[1] + interval)
+                return True
+            early[key] = (last_tick, now)
+            return False
+
+    return is_under_min_interval
+
+
 def install_run_watch(poll_seconds: float, sensor_interval_seconds: float = 0.0) -> bool:
     """Make this process's Dagster sensor daemon and run queue wake when a run finishes or is
     queued, seen by a :class:`RunWatch` every ``poll_seconds``, instead of sleeping out their loop
-    times. Call it before the daemon threads start. A woken sensor loop still starts its next
-    iteration no sooner than ``sensor_interval_seconds`` (the sensors' ``minimum_interval_seconds``)
-    after its previous one ended, nor later than its loop time: a sensor ticks right after a run
-    finishes if its interval allows, never more often than its interval.
+    times. Call it before the daemon threads start. A sensor ticks right after a run that
+    finished since its last tick, even within its minimum interval, one such early tick per
+    interval at most (:func:`ticks_on_news`), and otherwise no more often than that interval. On a Dagster release without the interval test
+    ``ticks_on_news`` replaces, a woken sensor loop instead starts its next iteration no sooner
+    than ``sensor_interval_seconds`` (the sensors' ``minimum_interval_seconds``) after its previous
+    one ended, so that the sensor the news is for is not skipped.
 
     Returns:
         Whether this Dagster release has the daemon classes and the shapes patched (false:
@@ -302,7 +392,16 @@ def install_run_watch(poll_seconds: float, sensor_interval_seconds: float = 0.0)
     if "core_loop" not in vars(SensorDaemon) or not hasattr(QueuedRunCoordinatorDaemon, "run_iteration") or not hasattr(SpanMarker, "START_SPAN"):
         warnings.warn("this Dagster release's daemons are not the shape flowopt's run watch wakes: they keep their own timers", stacklevel=2)
         return False
-    SensorDaemon.core_loop = _watched(SensorDaemon.core_loop, queued_too=False, poll_seconds=poll_seconds, min_gap=sensor_interval_seconds)
+    import dagster._daemon.sensor as sensor_daemon
+
+    watches: list[RunWatch] = []
+    if callable(getattr(sensor_daemon, "is_under_min_interval", None)):
+        sensor_daemon.is_under_min_interval = ticks_on_news(sensor_daemon.is_under_min_interval, watches)
+        min_gap = 0.0
+    else:
+        warnings.warn("this Dagster release has no dagster._daemon.sensor.is_under_min_interval: a woken sensor loop waits out the sensors' interval", stacklevel=2)
+        min_gap = sensor_interval_seconds
+    SensorDaemon.core_loop = _watched(SensorDaemon.core_loop, queued_too=False, poll_seconds=poll_seconds, min_gap=min_gap, watches=watches)
     QueuedRunCoordinatorDaemon.core_loop = _watched(_dequeue_loop, queued_too=True, poll_seconds=poll_seconds)
     return True
 

@@ -17,7 +17,7 @@ from dagster._core.test_utils import create_run_for_test
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
 import flow_assets.runtime.daemon as daemon_module
-from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _watched, _WakingShutdown, run_daemon
+from flow_assets.runtime.daemon import RunWatch, _dequeue_loop, _watched, _WakingShutdown, run_daemon, ticks_on_news
 from flow_assets.runtime.local import REPO_ROOT, local_instance
 
 #: a queued run must name the code location it comes from; nothing here loads it
@@ -179,16 +179,82 @@ def test_a_woken_sensor_loop_waits_out_the_sensors_minimum_interval_but_not_its_
         shutdown.set()
 
 
+def _ticked(at: float):
+    """A sensor's state as Dagster's sensor daemon keeps it, its last tick started at ``at``."""
+    from dagster._core.scheduler.instigation import SensorInstigatorData
+
+    return SimpleNamespace(instigator_data=SensorInstigatorData(last_tick_start_timestamp=at, min_interval=30))
+
+
+def test_a_sensor_within_its_interval_ticks_early_after_a_run_finishes_once_per_interval(tmp_path):
+    """Dagster's own test of a sensor's minimum interval, wrapped by ``ticks_on_news``: a sensor
+    that ticked a second ago (interval 30 s) is skipped, unless the run watch saw a run (finished
+    by another process) end after that tick started; Dagster asks twice for one tick and gets the
+    same answer; a second early tick within the same interval is refused, however many runs end."""
+    import dagster._daemon.sensor as sensor_daemon
+
+    instance = local_instance(tmp_path / "home")
+    watches: list = []
+    is_under = ticks_on_news(sensor_daemon.is_under_min_interval, watches)
+    sensor = SimpleNamespace(min_interval_seconds=30, selector_id="sensor-a")  # what Dagster reads of the remote sensor
+    other = SimpleNamespace(min_interval_seconds=30, selector_id="sensor-b")
+    before_the_run = _ticked(time.time() - 1)
+    assert is_under(before_the_run, sensor) is True  # no watch yet: Dagster's answer
+    watches.append(RunWatch(instance, 0.05, threading.Event()))
+    assert is_under(before_the_run, sensor) is True
+    assert is_under(_ticked(time.time() - 31), sensor) is False  # its interval passed: Dagster's answer
+    runs = [_queue(instance), _queue(instance)]
+    assert watches[-1].poll() == (False, True)
+    assert is_under(before_the_run, sensor) is True  # a queued run is no news for a sensor
+    _finish_elsewhere(tmp_path / "home", runs[0].run_id)
+    assert watches[-1].poll() == (True, False)
+    assert is_under(before_the_run, sensor) is False
+    assert is_under(before_the_run, sensor) is False  # the same tick, asked again before it is marked
+    early_tick = _ticked(time.time())
+    assert is_under(early_tick, sensor) is True  # the tick after the news saw it
+    time.sleep(0.01)  # the next finish is seen after the early tick started
+    _finish_elsewhere(tmp_path / "home", runs[1].run_id)
+    assert watches[-1].poll() == (True, False)
+    assert is_under(early_tick, sensor) is True  # one early tick per interval: this one waits
+    # ... for the loop to come round when it is due, not for the next news or the loop's own time
+    assert abs(watches[-1].due_at - (early_tick.instigator_data.last_tick_start_timestamp + 30)) < 1
+    assert is_under(early_tick, other) is False  # another sensor has its own early tick
+
+
+def test_a_waiter_returns_when_it_is_due_without_news_and_the_due_time_is_then_cleared(tmp_path):
+    """The sensor loop waits on the watch; a due time set while it waits (a sensor refused an
+    early tick) ends the wait then, long before its own timeout, and is cleared once it came."""
+    watch = RunWatch(local_instance(tmp_path / "home"), 0.05, threading.Event())
+    waited: list[float] = []
+
+    def waiter():
+        started = time.monotonic()
+        watch.wait(30.0, watch.seen(), queued_too=False)
+        waited.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)
+    watch.due_by(time.time() + 0.5)
+    watch.due_by(time.time() + 20)  # a later due time does not move an earlier one
+    thread.join(timeout=30)
+    assert 0.6 <= waited[0] < 15, waited
+    assert watch.due_at is None
+
+
 def test_the_watch_is_installed_on_dagsters_daemons_and_a_bad_poll_time_is_refused(monkeypatch):
+    import dagster._daemon.sensor as sensor_daemon
     from dagster._daemon.daemon import SensorDaemon
     from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import QueuedRunCoordinatorDaemon
 
     monkeypatch.setattr(SensorDaemon, "core_loop", SensorDaemon.core_loop)
     monkeypatch.setattr(QueuedRunCoordinatorDaemon, "core_loop", QueuedRunCoordinatorDaemon.core_loop)
-    sensor_loop = SensorDaemon.core_loop
+    monkeypatch.setattr(sensor_daemon, "is_under_min_interval", sensor_daemon.is_under_min_interval)
+    sensor_loop, interval_test = SensorDaemon.core_loop, sensor_daemon.is_under_min_interval
     assert daemon_module.install_run_watch(0.25) is True
     assert SensorDaemon.core_loop.__wrapped__ is sensor_loop
     assert QueuedRunCoordinatorDaemon.core_loop.__wrapped__ is _dequeue_loop
+    assert sensor_daemon.is_under_min_interval.__wrapped__ is interval_test
     with pytest.raises(ValueError, match="positive"):
         daemon_module.install_run_watch(0)
     with pytest.raises(ValueError, match="poll time"):
