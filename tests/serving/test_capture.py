@@ -34,7 +34,7 @@ def test_a_rollout_is_not_reaped_while_one_of_its_calls_is_being_served():
     now = [0.0]
     recorder = RolloutRecorder(timeout_s=1.0, clock=lambda: now[0])
     recorder.open(RolloutSettings(task_id="t"), "slow")
-    recorder.settings("slow", calling=True)  # a generation starts ...
+    recorder.begin_call("slow")  # a generation starts ...
     now[0] = 50.0  # ... and takes far longer than the timeout
     assert recorder.reap() == [] and recorder.open_count == 1
     recorder.record("slow", _turn([{"role": "user", "content": "q"}], Choice([1], [-0.1], "a", "a", [], "stop")))

@@ -408,14 +408,14 @@ class RolloutRecorder:
             self._open[rollout_id] = OpenRollout(rollout_id, settings, opened_at=now, last_activity=now)
         return rollout_id
 
-    def settings(self, rollout_id: str, calling: bool = False) -> RolloutSettings:
-        """The settings of a rollout, opening it with defaults on its first call (a client that
-        only sends ``X-Agent-ID``). ``calling``: a call of the rollout starts (as :meth:`begin_call`).
+    def settings(self, rollout_id: str) -> RolloutSettings:
+        """The settings of a rollout, opening it with defaults when it is unknown; starts no call
+        (:meth:`begin_call` does).
 
         Raises:
             RolloutError: the rollout was already finished.
         """
-        return self.begin_call(rollout_id)[0] if calling else self._settings(rollout_id, False)[0]
+        return self._settings(rollout_id, False)[0]
 
     def begin_call(self, rollout_id: str) -> tuple[RolloutSettings, int | None]:
         """A call of the rollout starts: it counts as activity, and :meth:`reap` leaves the
@@ -447,7 +447,7 @@ class RolloutRecorder:
         return rollout.settings, None if seed is None else call_seed(seed, index)
 
     def call_ended(self, rollout_id: str) -> None:
-        """A call begun with ``settings(..., calling=True)`` is over (served or failed)."""
+        """A call begun with :meth:`begin_call` is over (served or failed)."""
         with self._lock:
             rollout = self._open.get(rollout_id)
             if rollout is not None and rollout.in_flight > 0:
